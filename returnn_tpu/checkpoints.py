@@ -1,0 +1,59 @@
+"""Checkpoints in RETURNN's format, written atomically.
+
+A checkpoint is a TF name-based bundle (``model.NNN.index`` and ``model.NNN.data-00000-of-00001``)
+whose keys are the variables' TF1 names, exactly as RETURNN's ``Saver`` writes them, so plain
+RETURNN loads it (``TFNetwork.load_params_from_file``) for forwarding or search.
+
+The bundle is first written under a temporary prefix and then renamed, data file first and index
+last. RETURNN looks for the ``.index`` file, so a crash at any point leaves either the previous
+state or a complete checkpoint, never a half one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Mapping
+
+import numpy
+import tensorflow as tf
+
+
+def save(prefix: str, variables: Mapping[str, tf.Variable]):
+    """Writes ``variables`` (name -> variable) as the bundle ``prefix``.
+
+    For distributed variables the value seen in cross-replica context is written; for local SGD,
+    average the replicas first, so that the checkpoint holds the averaged model.
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    names = sorted(variables)
+    tmp_prefix = f"{prefix}.tmp-{os.getpid()}"
+    tf.raw_ops.SaveV2(
+        prefix=tmp_prefix,
+        tensor_names=names,
+        shape_and_slices=[""] * len(names),
+        tensors=[tf.convert_to_tensor(variables[name]) for name in names],
+    )
+    data_suffix = ".data-00000-of-00001"
+    os.replace(tmp_prefix + data_suffix, prefix + data_suffix)
+    os.replace(tmp_prefix + ".index", prefix + ".index")
+
+
+def load(prefix: str) -> Dict[str, numpy.ndarray]:
+    """All tensors of the bundle ``prefix`` by name."""
+    reader = tf.train.load_checkpoint(prefix)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def restore(prefix: str, variables: Mapping[str, tf.Variable], *, allow_missing=()):
+    """Assigns the saved values to ``variables`` (every replica's copy of a distributed variable).
+
+    Raises ``KeyError`` naming the first variable the checkpoint lacks, unless listed in
+    ``allow_missing``.
+    """
+    values = load(prefix)
+    for name, var in variables.items():
+        if name not in values:
+            if name in allow_missing:
+                continue
+            raise KeyError(f"checkpoint {prefix} has no variable {name!r}")
+        var.assign(values[name])

@@ -1,0 +1,182 @@
+"""RETURNN's optimizers (``optimizer = {"class": ...}``) with RETURNN's defaults, for ``tf.distribute``.
+
+Each optimizer reduces the gradients with ``strategy.extended.batch_reduce_to`` (a mean over the
+replicas for synchronous strategies; local SGD keeps each replica's own gradient) and updates
+every replica's copy with TensorFlow's fused training kernels (``ResourceApply*``), which also
+have XLA kernels. The update rules and defaults are those of the TF1 optimizers RETURNN creates:
+``optimizer_epsilon`` defaults to 1e-16, ``momentum`` is read from the config, and the slot
+variables are named as TF1 names them (``<var>/Adam``, ``<var>/Adam_1``, ``<var>/Momentum``).
+Call :meth:`Optimizer.apply` in cross-replica context inside the training ``tf.function``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from returnn_tpu.errors import ConfigError
+
+DEFAULT_EPSILON = 1e-16
+
+
+class Optimizer:
+    """Plain SGD: ``var -= lr * grad``. Subclasses add slots and override :meth:`_apply_dense`."""
+
+    slot_names: Tuple[str, ...] = ()
+
+    def __init__(self):
+        self.slots: Dict[str, Dict[str, tf.Variable]] = {}  # variable name -> slot name -> slot variable
+        self.step: Optional[tf.Variable] = None  # number of applied updates, for Adam's bias correction
+
+    def variables(self) -> Dict[str, tf.Variable]:
+        """The optimizer's state by checkpoint name."""
+        state = {f"{var_name}/{slot}": v for var_name, slots in self.slots.items() for slot, v in slots.items()}
+        if self.step is not None:
+            state["optimizer_step"] = self.step
+        return state
+
+    def _create_state(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]):
+        with tf.init_scope(), strategy.scope():
+            if self.step is None:
+                self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="optimizer_step")
+            for var in variables:
+                name = var_name(var)
+                if name in self.slots:
+                    continue
+                self.slots[name] = {
+                    slot: tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False, name=f"{name}/{slot}")
+                    for slot in self.slot_names
+                }
+
+    def apply(
+        self,
+        strategy: tf.distribute.Strategy,
+        grads_and_vars: Sequence[Tuple[Any, tf.Variable]],
+        learning_rate: tf.Tensor,
+    ):
+        """Reduces the per-replica gradients as the strategy defines, then updates all copies."""
+        self._create_state(strategy, [v for _, v in grads_and_vars])
+        reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, list(grads_and_vars))
+        step = self.step.assign_add(1)
+        updates = []
+        for grad, (_, var) in zip(reduced, grads_and_vars):
+            slots = self.slots[var_name(var)]
+            updates.append(
+                strategy.extended.update(
+                    var, self._apply_dense, args=(grad, slots, learning_rate, step), group=True
+                )
+            )
+        return tf.group(updates)
+
+    def _apply_dense(self, var: tf.Variable, grad: tf.Tensor, slots: Mapping[str, tf.Variable], lr, step):
+        return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=tf.cast(lr, var.dtype), delta=grad)
+
+
+class MomentumOptimizer(Optimizer):
+    """TF1 momentum: ``accum = momentum * accum + grad; var -= lr * accum``."""
+
+    slot_names = ("Momentum",)
+
+    def __init__(self, momentum: float, use_nesterov: bool = False):
+        super().__init__()
+        self.momentum = momentum
+        self.use_nesterov = use_nesterov
+
+    def _apply_dense(self, var, grad, slots, lr, step):
+        return tf.raw_ops.ResourceApplyMomentum(
+            var=var.handle,
+            accum=slots["Momentum"].handle,
+            lr=tf.cast(lr, var.dtype),
+            grad=grad,
+            momentum=tf.cast(self.momentum, var.dtype),
+            use_nesterov=self.use_nesterov,
+        )
+
+
+class AdamOptimizer(Optimizer):
+    """TF1 Adam (bias-corrected learning rate, epsilon outside the root); Nadam with ``use_nesterov``."""
+
+    slot_names = ("Adam", "Adam_1")
+
+    def __init__(self, beta1=0.9, beta2=0.999, epsilon=DEFAULT_EPSILON, use_nesterov=False):
+        super().__init__()
+        self.beta1, self.beta2, self.epsilon, self.use_nesterov = beta1, beta2, epsilon, use_nesterov
+
+    def _apply_dense(self, var, grad, slots, lr, step):
+        dtype = var.dtype
+        t = tf.cast(step, dtype)
+        return tf.raw_ops.ResourceApplyAdam(
+            var=var.handle,
+            m=slots["Adam"].handle,
+            v=slots["Adam_1"].handle,
+            beta1_power=tf.pow(tf.cast(self.beta1, dtype), t),
+            beta2_power=tf.pow(tf.cast(self.beta2, dtype), t),
+            lr=tf.cast(lr, dtype),
+            beta1=tf.cast(self.beta1, dtype),
+            beta2=tf.cast(self.beta2, dtype),
+            epsilon=tf.cast(self.epsilon, dtype),
+            grad=grad,
+            use_nesterov=self.use_nesterov,
+        )
+
+
+def var_name(var: tf.Variable) -> str:
+    """The checkpoint name of a variable, as TF1 and RETURNN use it (op name, no ``:0``)."""
+    return var.name.split(":")[0]
+
+
+def optimizer_from_config(config) -> Optimizer:
+    """Creates the optimizer a RETURNN config asks for.
+
+    :param config: a RETURNN ``Config`` (only ``typed_value``, ``float`` and ``bool`` are used).
+    Supported: ``optimizer = {"class": "sgd" | "momentum" | "adam" | "nadam", ...}`` and the old
+    flags ``adam = True``, ``nadam = True``, ``momentum = 0.9``; anything else is a ConfigError.
+    """
+    epsilon = config.float("optimizer_epsilon", DEFAULT_EPSILON)
+    momentum = config.float("momentum", 0.0)
+    opts = config.typed_value("optimizer", None)
+    if opts is None:
+        if config.bool("adam", False):
+            opts = {"class": "adam"}
+        elif config.bool("nadam", False):
+            opts = {"class": "nadam"}
+        elif momentum:
+            opts = {"class": "momentum"}
+        else:
+            opts = {"class": "sgd"}
+    if isinstance(opts, str):
+        opts = {"class": opts}
+    if not isinstance(opts, dict) or not isinstance(opts.get("class"), str):
+        raise ConfigError(f"optimizer must be a dict with a 'class' name, got {opts!r}")
+    opts = dict(opts)
+    name = opts.pop("class").lower()
+    known = {
+        "sgd": (Optimizer, {}),
+        "gradientdescent": (Optimizer, {}),
+        "momentum": (MomentumOptimizer, {"momentum": momentum}),
+        "adam": (AdamOptimizer, {"epsilon": epsilon}),
+        "nadam": (AdamOptimizer, {"epsilon": epsilon, "use_nesterov": True}),
+    }
+    if name not in known:
+        raise ConfigError(f"optimizer class {name!r} is not supported; use one of: {', '.join(known)}")
+    cls, defaults = known[name]
+    kwargs = {**defaults, **opts}
+    if cls is MomentumOptimizer and not kwargs.get("momentum"):
+        raise ConfigError("optimizer 'momentum' needs a momentum value (optimizer['momentum'] or config 'momentum')")
+    try:
+        return cls(**kwargs)
+    except TypeError:
+        valid = [p for p in cls.__init__.__code__.co_varnames[1 : cls.__init__.__code__.co_argcount]]
+        raise ConfigError(
+            f"optimizer {name!r} got unsupported options {sorted(opts)}; valid: {', '.join(valid) or 'none'}"
+        ) from None
+
+
+def clip_gradients(grads: List[tf.Tensor], clip_value: float, clip_global_norm: float) -> List[tf.Tensor]:
+    """RETURNN's ``gradient_clip`` (element-wise) and ``gradient_clip_global_norm``, on one replica's gradients."""
+    if clip_value:
+        grads = [tf.clip_by_value(g, -clip_value, clip_value) for g in grads]
+    if clip_global_norm:
+        grads, _ = tf.clip_by_global_norm(grads, clip_global_norm)
+    return list(grads)

@@ -1,0 +1,104 @@
+"""The two config keys that choose how training is distributed, checked once at start-up.
+
+``distribute_strategy`` names the algorithm, ``distribute_options`` (a dict) tunes it.
+Every check raises :class:`ConfigError` with a one-line message naming the option and
+what would be valid, so that bad input stops the run before anything is written.
+This module imports neither TensorFlow nor RETURNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from returnn_tpu.errors import ConfigError
+
+STRATEGY_NAMES = ("single", "mirrored", "local_sgd", "multi_worker_mirrored", "tpu", "local_sgd_tpu")
+LOCAL_SGD_STRATEGY_NAMES = ("local_sgd", "local_sgd_tpu")
+CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "tpu", "local")
+DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")
+DEFAULT_PARAM_SYNC_STEP = 100
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"distribute_options[{name!r}] must be an int >= 1, got {value!r}")
+    return value
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"distribute_options[{name!r}] must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _one_of(name: str, value: Any, valid: tuple) -> str:
+    if value not in valid:
+        raise ConfigError(f"distribute_options[{name!r}] must be one of {', '.join(map(repr, valid))}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributeOptions:
+    """Validated ``distribute_strategy`` plus ``distribute_options``.
+
+    :ivar strategy: one of :data:`STRATEGY_NAMES`.
+    :ivar num_replicas: replicas on this machine; on a machine without GPUs the CPU is split into
+        that many logical devices. None: one per GPU, or one CPU device.
+    :ivar param_sync_step: local SGD averages the replicas' parameters every this many steps.
+    :ivar param_sync_time_diff: alternative to ``param_sync_step``: average when this many seconds
+        have passed since the last average.
+    :ivar cluster_resolver: how the workers of a multi-machine run find each other.
+    :ivar dataset_distribution: how the replicas split the data (see README, "What an epoch is").
+    :ivar jit_compile: compile the per-replica forward and backward pass with XLA.
+    """
+
+    strategy: str = "single"
+    num_replicas: Optional[int] = None
+    param_sync_step: int = DEFAULT_PARAM_SYNC_STEP
+    param_sync_time_diff: Optional[float] = None
+    cluster_resolver: str = "auto"
+    dataset_distribution: str = "random_seed_offset"
+    jit_compile: bool = False
+
+    @classmethod
+    def from_config_values(cls, strategy: Any, options: Optional[Mapping[str, Any]]) -> "DistributeOptions":
+        """Checks the raw config values; raises :class:`ConfigError` on the first bad one."""
+        if strategy not in STRATEGY_NAMES:
+            raise ConfigError(
+                f"distribute_strategy must be one of {', '.join(map(repr, STRATEGY_NAMES))}, got {strategy!r}"
+            )
+        options = dict(options or {})
+        if not isinstance(options, dict):
+            raise ConfigError(f"distribute_options must be a dict, got {options!r}")
+        valid_keys = [f.name for f in dataclasses.fields(cls) if f.name != "strategy"]
+        unknown = sorted(set(options) - set(valid_keys))
+        if unknown:
+            raise ConfigError(
+                f"distribute_options has unknown key {unknown[0]!r}; valid keys: {', '.join(valid_keys)}"
+            )
+        kwargs: dict = {"strategy": strategy}
+        if options.get("num_replicas") is not None:
+            kwargs["num_replicas"] = _positive_int("num_replicas", options["num_replicas"])
+        if "param_sync_step" in options:
+            kwargs["param_sync_step"] = _positive_int("param_sync_step", options["param_sync_step"])
+        if options.get("param_sync_time_diff") is not None:
+            kwargs["param_sync_time_diff"] = _positive_number("param_sync_time_diff", options["param_sync_time_diff"])
+        if "cluster_resolver" in options:
+            kwargs["cluster_resolver"] = _one_of("cluster_resolver", options["cluster_resolver"], CLUSTER_RESOLVERS)
+        if "dataset_distribution" in options:
+            kwargs["dataset_distribution"] = _one_of(
+                "dataset_distribution", options["dataset_distribution"], DATASET_DISTRIBUTIONS
+            )
+        if "jit_compile" in options:
+            if not isinstance(options["jit_compile"], bool):
+                raise ConfigError(f"distribute_options['jit_compile'] must be True or False, got {options['jit_compile']!r}")
+            kwargs["jit_compile"] = options["jit_compile"]
+        if strategy == "single" and kwargs.get("num_replicas", 1) != 1:
+            raise ConfigError("distribute_options['num_replicas'] must be 1 with distribute_strategy 'single'")
+        return cls(**kwargs)
+
+    @property
+    def is_local_sgd(self) -> bool:
+        """Whether replicas keep their own parameters between periodic averages."""
+        return self.strategy in LOCAL_SGD_STRATEGY_NAMES

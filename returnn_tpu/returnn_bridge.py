@@ -1,0 +1,233 @@
+"""Building a RETURNN ``TFNetwork`` inside a replica's trace of a ``tf.function``.
+
+RETURNN's TF backend is written for TF1 graphs and sessions. This module makes its network
+construction run inside ``strategy.run(step_fn, ...)`` (see DESIGN.md, facts 1-9):
+
+* :func:`setup_returnn` imports RETURNN's TF code and then turns TF2 behaviour back on.
+* :class:`VariableCache` creates each ``tf.compat.v1.get_variable`` once (as a distributed
+  variable when a strategy scope is active) and hands the same object to every later trace.
+* :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data,
+  with a fresh variable store and fresh variable collections, and a per-replica random seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import tensorflow as tf
+
+from returnn_tpu.errors import ConfigError
+
+_RETURNN_READY = False
+
+
+def setup_returnn():
+    """Imports RETURNN's TF backend and restores the TF2 settings it turns off. Idempotent.
+
+    * Native ops are built without CUDA when TensorFlow has no GPU support (fact 9).
+    * ``returnn.tf.compat`` disables eager execution, v2 shapes and control flow v2 (fact 1).
+    * RETURNN keeps tensors and variables in sets and dict keys: tensor equality off (fact 1).
+    * ``NativeLstm2`` calls ``set_shape`` on its weights; distributed variables refuse that
+      (fact 7), so they get a set_shape that checks the shape is compatible.
+    """
+    global _RETURNN_READY
+    if _RETURNN_READY:
+        return
+    if not tf.test.is_built_with_cuda():
+        os.environ.setdefault("DISABLE_CUDA", "1")
+    import returnn.tf.compat  # noqa: F401  (side effects undone below)
+    from returnn.util import basic as returnn_util
+    from tensorflow.python.distribute import values as tf_values
+
+    tf.compat.v1.enable_eager_execution()
+    tf.compat.v1.enable_v2_tensorshape()
+    tf.compat.v1.enable_control_flow_v2()
+    tf.compat.v1.disable_tensor_equality()
+    returnn_util.BackendEngine.select_engine(engine=returnn_util.BackendEngine.TensorFlow)
+
+    def set_shape_if_compatible(self, shape):
+        if not self.shape.is_compatible_with(shape):
+            raise ValueError(f"variable {self.name} has shape {self.shape}, not compatible with {shape}")
+
+    tf_values.DistributedVariable.set_shape = set_shape_if_compatible
+    _RETURNN_READY = True
+
+
+class VariableCache(tf.Module):
+    """The network's variables by RETURNN name, created once and reused by every trace.
+
+    Used as a ``tf.variable_creator_scope`` creator. A variable that does not exist yet is
+    created under ``tf.init_scope()``, so it outlives the trace and, under ``strategy.scope()``,
+    becomes a distributed variable (fact 2). Every variable handed out is also added to the
+    trace's GLOBAL_VARIABLES (and TRAINABLE_VARIABLES) collection, because RETURNN's ``rec``
+    layer finds its parameters there (fact 3).
+    """
+
+    def __init__(self):
+        super().__init__(name="returnn_params")
+        self.by_name: Dict[str, tf.Variable] = {}
+
+    def creator(self, next_creator, **kwargs):
+        name = kwargs["name"]
+        var = self.by_name.get(name)
+        if var is None:
+            with tf.init_scope():
+                var = next_creator(**kwargs)
+            self.by_name[name] = var
+        elif tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape)):
+            raise ValueError(f"parameter {name} exists with shape {var.shape}, asked for {kwargs.get('shape')}")
+        graph = tf.compat.v1.get_default_graph()
+        collections = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES]
+        if kwargs.get("trainable", True):
+            collections.append(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+        for key in collections:
+            if not any(v is var for v in graph.get_collection(key)):
+                graph.add_to_collection(key, var)
+        return var
+
+
+@contextlib.contextmanager
+def fresh_tf1_state() -> Iterator[None]:
+    """A fresh v1 variable store and empty variable collections for one network build.
+
+    FuncGraphs share both with the outer graph by reference (fact 4); without this, a second
+    network (the next replica, or the eval net) would see the first one's variables.
+    """
+    from tensorflow.python.ops import variable_scope
+
+    graph = tf.compat.v1.get_default_graph()
+    keys = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES]
+    saved = {key: list(graph.get_collection(key)) for key in keys}
+    for key in keys:
+        graph.get_collection_ref(key)[:] = []
+    try:
+        with variable_scope.with_variable_store(variable_scope._VariableStore()):
+            yield
+    finally:
+        for key in keys:
+            graph.get_collection_ref(key)[:] = saved[key]
+
+
+def size_key(data_key: str, axis: int) -> str:
+    """Key of the sequence lengths of ``data_key``'s dynamic ``axis`` (without batch) in a batch dict."""
+    return f"size:{data_key}:{axis}"
+
+
+@dataclasses.dataclass
+class NetworkInfo:
+    """What a throwaway construction of the network tells (see :meth:`NetworkBuilder.inspect`)."""
+
+    extern_data: Any  # RETURNN ExternData; the templates (dtypes, dynamic axes) for padding batches
+    recurrent: bool
+    used_data_keys: List[str]
+    layer_classes: Dict[str, str]
+
+
+def extern_data_template(config, *, placeholders: bool = False):
+    """RETURNN's ``ExternData`` for the config (from ``extern_data`` or ``num_inputs``/``num_outputs``)."""
+    from returnn.tf.network import ExternData
+
+    extern_data = ExternData()
+    extern_data.init_from_config(config, auto_create_placeholders=placeholders)
+    for key, data in extern_data.data.items():
+        if len(data.get_dynamic_axes()) > 1:
+            raise ConfigError(f"extern_data[{key!r}] has more than one dynamic axis, which is not supported yet")
+    return extern_data
+
+
+class NetworkBuilder:
+    """Builds the config's ``network`` inside replica traces, all sharing one :class:`VariableCache`."""
+
+    def __init__(self, config):
+        setup_returnn()
+        self.config = config
+        self.net_dict = config.typed_value("network")
+        if not isinstance(self.net_dict, dict):
+            raise ConfigError("network must be a dict of layers (a `get_network` function is not supported yet)")
+        self.base_seed = config.int("random_seed", 42)
+        self.variables = VariableCache()
+
+    def inspect(self) -> "NetworkInfo":
+        """Builds the network once in a throwaway TF1 graph, to learn what batching needs.
+
+        RETURNN batches differently for recurrent and non-recurrent networks and reads only the
+        data keys the network uses; both are known only after construction.
+        """
+        from returnn.tf.network import TFNetwork
+
+        with tf.Graph().as_default():
+            extern_data = extern_data_template(self.config, placeholders=True)
+            net = TFNetwork(config=self.config, extern_data=extern_data, train_flag=True, eval_flag=True)
+            net.construct_from_dict(self.net_dict)
+            return NetworkInfo(
+                extern_data=extern_data,
+                recurrent=bool(net.recurrent),
+                used_data_keys=sorted(net.get_used_data_keys()),
+                layer_classes={name: layer.layer_class for name, layer in net.layers.items()},
+            )
+
+    def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int):
+        """Builds a ``TFNetwork`` on ``inputs`` (data keys and ``size:<key>:<axis>`` lengths).
+
+        Call inside a replica's trace. ``replica_id`` offsets the random seed, so replicas drop
+        different units (fact 8). Returns the network and its trainable parameters as
+        ``(name, variable)`` pairs sorted by name (the same order on every replica).
+        """
+        from returnn.tf.network import TFNetwork
+
+        extern_data = extern_data_template(self.config)
+        for key, data in list(extern_data.data.items()):
+            if key not in inputs:
+                del extern_data.data[key]
+                continue
+            # A fresh tensor per replica: RETURNN attaches attributes to tensor objects (fact 5).
+            data.placeholder = tf.identity(inputs[key])
+            data.size_placeholder = {
+                axis: tf.identity(inputs[size_key(key, axis)])
+                for axis, dim in enumerate(data.shape)
+                if dim is None
+            }
+        extern_data.init_batch_info()
+        with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator):
+            net = TFNetwork(
+                config=self.config,
+                extern_data=extern_data,
+                rnd_seed=self.base_seed + 1000 * replica_id,
+                train_flag=train,
+                eval_flag=True,
+            )
+            net.construct_from_dict(self.net_dict)
+            net.maybe_construct_objective()
+            # RETURNN reads the TRAINABLE_VARIABLES collection here, so ask while it is ours.
+            params = sorted((v.name.split(":")[0], v) for v in net.get_trainable_params())
+        return net, params
+
+
+def loss_metrics(net) -> Dict[str, tf.Tensor]:
+    """Per-batch sums behind RETURNN's epoch scores.
+
+    For every loss ``name``: ``cost:name`` and ``error:name`` (summed over frames, as RETURNN
+    fetches them) and ``frames:name`` (the inverse of RETURNN's loss norm factor). The epoch
+    score is ``sum(cost) / sum(frames)``, as RETURNN's runner computes it.
+    """
+    metrics = {}
+    for name, loss in net.losses_dict.items():
+        value = loss.get_loss_value_for_fetch()
+        if value is None:
+            continue
+        metrics[f"cost:{name}"] = tf.cast(value, tf.float32)
+        error = loss.get_error_value()
+        if error is not None:
+            metrics[f"error:{name}"] = tf.cast(error, tf.float32)
+        metrics[f"frames:{name}"] = 1.0 / tf.cast(loss.get_norm_factor(), tf.float32)
+    return metrics
+
+
+def static_replica_id() -> int:
+    """The replica's index as a Python int, at trace time (0 outside a strategy)."""
+    replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+    value = tf.get_static_value(replica_id)
+    return int(value) if value is not None else 0

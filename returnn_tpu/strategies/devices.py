@@ -1,0 +1,40 @@
+"""Which local devices the replicas run on."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import tensorflow as tf
+
+from returnn_tpu.errors import ConfigError
+
+
+def local_replica_devices(num_replicas: Optional[int]) -> List[str]:
+    """Returns one device name per local replica.
+
+    With GPUs: the first ``num_replicas`` GPUs (all of them if None).
+    Without GPUs: the CPU split into ``num_replicas`` logical devices, which must happen before
+    TensorFlow initialises its runtime (before the first op runs); on an initialised runtime
+    the split is accepted only if it already has that many CPU devices.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if num_replicas is not None and num_replicas > len(gpus):
+            raise ConfigError(
+                f"distribute_options['num_replicas'] is {num_replicas}, but this machine has {len(gpus)} GPUs"
+            )
+        return [f"/gpu:{i}" for i in range(num_replicas or len(gpus))]
+    num_replicas = num_replicas or 1
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        if num_replicas > 1:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * num_replicas)
+    except RuntimeError:  # runtime already initialised (e.g. a second run in one process)
+        pass
+    available = len(tf.config.list_logical_devices("CPU"))
+    if available < num_replicas:
+        raise ConfigError(
+            f"distribute_options['num_replicas'] is {num_replicas}, but TensorFlow was already initialised with "
+            f"{available} CPU devices; start a new process"
+        )
+    return [f"/cpu:{i}" for i in range(num_replicas)]

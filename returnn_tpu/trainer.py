@@ -1,0 +1,370 @@
+"""The training loop: epochs, steps, local-SGD syncs, learning-rate control, checkpoints, dev scores.
+
+One path for every strategy: a ``tf.function`` step calls ``strategy.run`` on the per-replica
+forward/backward pass (the RETURNN network is built inside that trace, see
+:mod:`returnn_tpu.returnn_bridge`) and then applies the gradients in cross-replica context
+(:mod:`returnn_tpu.optimizers`). For local SGD, the replicas' parameters are averaged every
+``param_sync_step`` steps (or ``param_sync_time_diff`` seconds), and always before a checkpoint
+and before dev evaluation, so both see the averaged model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Dict, List, Optional
+
+import numpy
+import tensorflow as tf
+
+from returnn_tpu import checkpoints
+from returnn_tpu.data import BatchingOptions, EpochBatches, init_datasets
+from returnn_tpu.errors import ConfigError
+from returnn_tpu.optimizers import clip_gradients, optimizer_from_config, var_name
+from returnn_tpu.options import DistributeOptions
+from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id
+from returnn_tpu.strategies import is_local_sgd, make_strategy
+
+METRICS_FILE = "metrics.jsonl"
+
+# Options that change what is trained and that this trainer does not implement: stop, don't ignore.
+UNSUPPORTED_TRAINING_OPTIONS = {
+    "pretrain": "pretraining",
+    "accum_grad_multiple_step": "gradient accumulation",
+    "gradient_noise": "gradient noise",
+    "update_batch_size": "update_batch_size",
+    "use_horovod": "Horovod (use distribute_strategy instead)",
+    "get_network": "a network function (use a `network` dict)",
+    "use_last_best_model": "use_last_best_model",
+}
+
+
+class SyncSchedule:
+    """When local SGD averages: every ``param_sync_step`` steps, or every ``time_diff`` seconds."""
+
+    def __init__(self, param_sync_step: int, time_diff: Optional[float]):
+        self.param_sync_step = param_sync_step
+        self.time_diff = time_diff
+        self.steps_since_sync = 0
+        self.last_sync_time = time.monotonic()
+
+    def step_done(self) -> bool:
+        """Counts one step; returns whether a sync is due now."""
+        self.steps_since_sync += 1
+        if self.time_diff is not None:
+            return time.monotonic() - self.last_sync_time >= self.time_diff
+        return self.steps_since_sync >= self.param_sync_step
+
+    def synced(self):
+        self.steps_since_sync = 0
+        self.last_sync_time = time.monotonic()
+
+
+class ScoreAccumulator:
+    """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores."""
+
+    def __init__(self):
+        self.sums: Dict[str, float] = {}
+
+    def add(self, metrics: Dict[str, tf.Tensor]):
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def _normalized(self, prefix: str) -> Dict[str, float]:
+        out = {}
+        for key, value in self.sums.items():
+            if key.startswith(prefix):
+                frames = self.sums.get("frames:" + key[len(prefix) :], 0.0)
+                out[key] = value / frames if frames else float("nan")
+        return out
+
+    def score(self) -> Dict[str, float]:
+        """``{"cost:<loss>": score}``, as RETURNN's runner reports it."""
+        return self._normalized("cost:")
+
+    def error(self) -> Dict[str, float]:
+        """``{"error:<loss>": error}`` (frame error rate)."""
+        return self._normalized("error:")
+
+
+def format_score(score: Dict[str, float]) -> str:
+    """RETURNN's formatting: the bare number for one loss, else ``name value`` pairs."""
+    if not score:
+        return "None"
+    if len(score) == 1:
+        return str(next(iter(score.values())))
+    return " ".join(f"{key.split(':', 1)[-1]} {score[key]}" for key in sorted(score))
+
+
+def check_supported(config):
+    """Stops on config options that would change training and are not implemented."""
+    if config.value("task", "train") != "train":
+        raise ConfigError(f"task must be 'train' for returnn-tpu, got {config.value('task', '')!r}")
+    for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
+        value = config.typed_value(key, None)
+        harmless = (None, False, 0, 1) if key == "accum_grad_multiple_step" else (None, False, 0)
+        if value not in harmless:
+            raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")
+
+
+class Trainer:
+    """Trains the network of a RETURNN config with the configured distribution strategy."""
+
+    def __init__(self, config, options: DistributeOptions):
+        from returnn.log import log
+
+        check_supported(config)
+        self.config = config
+        self.options = options
+        self.log = log
+        self.strategy = make_strategy(options)
+        self.num_replicas = self.strategy.num_replicas_in_sync
+        self.builder = NetworkBuilder(config)
+        self.optimizer = optimizer_from_config(config)
+        self.info = self.builder.inspect()
+        self.extern_data = self.info.extern_data
+        self.batching = BatchingOptions(config)
+        self.train_datasets = init_datasets(
+            config, "train", self.num_replicas, 0, options.dataset_distribution
+        )
+        if not self.train_datasets:
+            raise ConfigError("config option 'train' (the training dataset) is missing")
+        self.dev_datasets = init_datasets(config, "dev")
+        self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
+        self.model_filename = config.value("model", None)
+        if not self.model_filename:
+            raise ConfigError("config option 'model' (where checkpoints go) is missing")
+        self.num_epochs = config.int("num_epochs", 5)
+        self.save_interval = config.int("save_interval", 1)
+        self.clip_value = config.float("gradient_clip", 0.0)
+        self.clip_global_norm = config.float("gradient_clip_global_norm", 0.0)
+        self.learning_rate_control = self._learning_rate_control()
+        self.sync_schedule = SyncSchedule(options.param_sync_step, options.param_sync_time_diff)
+        self._train_step = tf.function(self._train_step_fn, autograph=False, reduce_retracing=True)
+        self._eval_step = tf.function(self._eval_step_fn, autograph=False, reduce_retracing=True)
+        self._sync = tf.function(self._sync_fn, autograph=False)
+        self._built = False
+
+    # ---- config parts -------------------------------------------------------------------------
+
+    def _learning_rate_control(self):
+        from returnn.learning_rate_control import load_learning_rate_control_from_config
+
+        return load_learning_rate_control_from_config(self.config)
+
+    def start_epoch(self) -> int:
+        """The epoch after the newest checkpoint at ``model`` (1 if there is none), as RETURNN does."""
+        from returnn.engine.base import EngineBase
+
+        return EngineBase.get_train_start_epoch(self.config)
+
+    # ---- step functions -----------------------------------------------------------------------
+
+    def trainable_variables(self) -> List[tf.Variable]:
+        return [self.builder.variables.by_name[name] for name in self._trainable_names]
+
+    def _replica_train(self, batch):
+        with tf.GradientTape() as tape:
+            net, params = self.builder.build(batch, train=True, replica_id=static_replica_id())
+            objective = net.get_objective()
+        names = [name for name, _ in params]
+        grads = tape.gradient(objective, [var for _, var in params])
+        missing = [name for name, grad in zip(names, grads) if grad is None]
+        if missing:
+            raise ConfigError(f"parameters {missing} get no gradient from the loss; check the network")
+        grads = clip_gradients(grads, self.clip_value, self.clip_global_norm)
+        self._trainable_names = names
+        return dict(zip(names, grads)), loss_metrics(net)
+
+    def _train_step_fn(self, batch, learning_rate):
+        grads, metrics = self.strategy.run(self._replica_train, args=(batch,))
+        grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
+        with tf.control_dependencies([self.optimizer.apply(self.strategy, grads_and_vars, learning_rate)]):
+            return {key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for key, v in metrics.items()}
+
+    def _replica_eval(self, batch, weight):
+        net, _ = self.builder.build(batch, train=False, replica_id=static_replica_id())
+        return {key: value * weight for key, value in loss_metrics(net).items()}
+
+    def _eval_step_fn(self, batch, weight):
+        metrics = self.strategy.run(self._replica_eval, args=(batch, weight))
+        return {key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for key, v in metrics.items()}
+
+    def _sync_fn(self):
+        self.strategy.sync(self.trainable_variables())
+
+    def _distribute(self, per_replica: List):
+        """One value per local replica -> the strategy's per-replica value."""
+        if self.num_replicas == 1:
+            return per_replica[0]
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: per_replica[ctx.replica_id_in_sync_group]
+        )
+
+    # ---- model state --------------------------------------------------------------------------
+
+    def model_state(self) -> Dict[str, tf.Variable]:
+        """Everything a checkpoint holds: parameters (RETURNN names) and optimizer state."""
+        state = dict(self.builder.variables.by_name)
+        state.update(self.optimizer.variables())
+        return state
+
+    def _build(self, first_step: List, resume_epoch: Optional[int]):
+        """Creates all variables by tracing the train step; restores the checkpoint when resuming."""
+        self._train_step.get_concrete_function(self._distribute(first_step), tf.constant(0.0))
+        self._built = True
+        if resume_epoch:
+            filename = self.epoch_filename(resume_epoch)
+            print(f"load model {filename}", file=self.log.v2)
+            checkpoints.restore(filename, self.model_state())
+
+    def epoch_filename(self, epoch: int) -> str:
+        from returnn.engine.base import EngineBase
+
+        return EngineBase.epoch_model_filename(self.model_filename, epoch)
+
+    def sync(self) -> float:
+        """Averages the replicas' parameters (local SGD only); returns the seconds it took."""
+        start = time.perf_counter()
+        self._sync()
+        self.sync_schedule.synced()
+        return time.perf_counter() - start
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def epoch_batches(self, datasets, epoch: int, *, train: bool) -> EpochBatches:
+        return EpochBatches(
+            datasets,
+            epoch=epoch,
+            num_replicas=self.num_replicas,
+            extern_data=self.extern_data,
+            data_keys=self.data_keys,
+            make_batches=lambda dataset: self.batching.generate(
+                dataset, recurrent=self.info.recurrent, used_data_keys=set(self.data_keys), train=train
+            ),
+        )
+
+    def train(self):
+        """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``."""
+        start_epoch = self.start_epoch()
+        if start_epoch > self.num_epochs:
+            print(f"nothing to do: model for epoch {self.num_epochs} exists", file=self.log.v1)
+            return
+        print(
+            f"returnn-tpu: strategy {self.options.strategy}, {self.num_replicas} replicas, "
+            f"start training at epoch {start_epoch}",
+            file=self.log.v2,
+        )
+        for epoch in range(start_epoch, self.num_epochs + 1):
+            self.train_epoch(epoch, resume_epoch=start_epoch - 1 if not self._built else None)
+
+    def train_epoch(self, epoch: int, resume_epoch: Optional[int] = None):
+        """One epoch: train steps with periodic syncs, final sync, checkpoint, dev scores, logs."""
+        learning_rate = self.learning_rate_control.get_learning_rate_for_epoch(epoch)
+        print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
+        local_sgd = is_local_sgd(self.strategy)
+        scores = ScoreAccumulator()
+        steps = syncs = 0
+        sync_seconds = 0.0
+        start = time.perf_counter()
+        lr_tensor = tf.constant(learning_rate, tf.float32)
+        for step_batches in self.epoch_batches(self.train_datasets, epoch, train=True):
+            if not self._built:
+                self._build(step_batches, resume_epoch)
+            metrics = self._train_step(self._distribute(step_batches), lr_tensor)
+            scores.add(metrics)
+            steps += 1
+            if local_sgd and self.sync_schedule.step_done():
+                sync_seconds += self.sync()
+                syncs += 1
+        if steps == 0:
+            raise RuntimeError(f"epoch {epoch}: the training data gave no batch for every replica")
+        if local_sgd and self.sync_schedule.steps_since_sync:
+            sync_seconds += self.sync()
+            syncs += 1
+        train_seconds = time.perf_counter() - start
+        if epoch % self.save_interval == 0 or epoch == self.num_epochs:
+            checkpoints.save(self.epoch_filename(epoch), self.model_state())
+        dev_results = self.evaluate(epoch)
+        self._record_epoch(epoch, scores, dev_results, steps, train_seconds, syncs, sync_seconds, learning_rate)
+
+    def evaluate(self, epoch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
+        """RETURNN's scores of the (averaged) model on each eval dataset: ``{"dev": {"score":..,"error":..}}``."""
+        results = {}
+        for dataset in self.dev_datasets:
+            scores = ScoreAccumulator()
+            batches = EpochBatches(
+                [dataset],
+                epoch=epoch,
+                num_replicas=1,
+                extern_data=self.extern_data,
+                data_keys=self.data_keys,
+                make_batches=lambda d: self.batching.generate(
+                    d, recurrent=self.info.recurrent, used_data_keys=set(self.data_keys), train=False
+                ),
+            )
+            group = []
+            for (batch,) in batches:
+                group.append(batch)
+                if len(group) == self.num_replicas:
+                    scores.add(self._run_eval(group))
+                    group = []
+            if group:
+                scores.add(self._run_eval(group))
+            results[dataset.name] = {"score": scores.score(), "error": scores.error()}
+        return results
+
+    def _run_eval(self, group: List) -> Dict[str, tf.Tensor]:
+        """Evaluates up to one batch per replica; replicas without a batch repeat one with weight 0."""
+        weights = [1.0] * len(group) + [0.0] * (self.num_replicas - len(group))
+        group = group + [group[0]] * (self.num_replicas - len(group))
+        return self._eval_step(self._distribute(group), self._distribute([tf.constant(w) for w in weights]))
+
+    def _record_epoch(self, epoch, scores, dev_results, steps, seconds, syncs, sync_seconds, learning_rate):
+        train_score, train_error = scores.score(), scores.error()
+        lrc = self.learning_rate_control
+        errors = {"train_score": train_score, "train_error": train_error}
+        for name, result in dev_results.items():
+            errors[f"{name}_score"] = result["score"]
+            errors[f"{name}_error"] = result["error"]
+        lrc.set_epoch_error(epoch, {k: v for k, v in errors.items() if v})
+        lrc.save()
+        dev_text = " ".join(
+            f"{name}: score {format_score(r['score'])} error {format_score(r['error'])}" for name, r in dev_results.items()
+        )
+        print(
+            f"epoch {epoch} score: {format_score(train_score)} error: {format_score(train_error)} "
+            f"elapsed: {seconds:.1f}s {dev_text}",
+            file=self.log.v1,
+        )
+        print(
+            f"epoch {epoch}: {steps} steps, {seconds:.2f} s, {syncs} syncs, {sync_seconds:.3f} s in sync",
+            file=self.log.v2,
+        )
+        record = {
+            "epoch": epoch,
+            "strategy": self.options.strategy,
+            "num_workers": 1,
+            "num_replicas": self.num_replicas,
+            "steps": steps,
+            "learning_rate": learning_rate,
+            "train_score": _single_or_dict(train_score),
+            "train_error": _single_or_dict(train_error),
+            "seconds": round(seconds, 3),
+            "syncs": syncs,
+            "sync_seconds": round(sync_seconds, 4),
+        }
+        for name, result in dev_results.items():
+            record[f"{name}_score"] = _single_or_dict(result["score"])
+            record[f"{name}_error"] = _single_or_dict(result["error"])
+        metrics_path = os.path.join(os.path.dirname(os.path.abspath(self.model_filename)), METRICS_FILE)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _single_or_dict(values: Dict[str, float]):
+    """One loss: its value; several: ``{loss_name: value}`` (as RETURNN names them in the LR file)."""
+    if len(values) == 1:
+        return next(iter(values.values()))
+    return {key.split(":", 1)[-1]: value for key, value in values.items()} or None

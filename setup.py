@@ -1,0 +1,25 @@
+"""returnn_tpu: RETURNN TensorFlow configs on many devices through tf.distribute (local SGD by default)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="returnn_tpu",
+    version="0.1.0",
+    description="Train RETURNN TensorFlow configs with local SGD on GPUs, clusters and TPUs via tf.distribute",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["returnn_tpu", "returnn_tpu.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Tested with returnn 1.20261022; the TF backend internals used here change rarely.
+        "returnn>=1.20250101,<1.20280000",
+        "numpy",
+        "dm-tree",
+    ],
+    extras_require={
+        "cpu": ["tensorflow-cpu>=2.16,<2.22"],
+        "gpu": ["tensorflow[and-cuda]>=2.16,<2.22"],
+        "test": ["pytest>=7"],
+    },
+    entry_points={"console_scripts": ["returnn-tpu=returnn_tpu.cli:main"]},
+)
