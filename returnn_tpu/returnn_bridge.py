@@ -190,6 +190,9 @@ class NetworkBuilder:
                 for axis, dim in enumerate(data.shape)
                 if dim is None
             }
+        # init_from_config made a batch-dim placeholder (nothing was set yet); use the real one.
+        first_input = next(d for d in extern_data.data.values() if d.placeholder is not None and d.have_batch_axis())
+        extern_data.get_batch_info().dim = tf.shape(first_input.placeholder)[first_input.batch_dim_axis]
         extern_data.init_batch_info()
         with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator):
             net = TFNetwork(

@@ -10,6 +10,7 @@ and before dev evaluation, so both see the averaged model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -59,6 +60,20 @@ class SyncSchedule:
     def synced(self):
         self.steps_since_sync = 0
         self.last_sync_time = time.monotonic()
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """Counts of one epoch for the log and ``metrics.jsonl``."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    syncs: int = 0
+    sync_seconds: float = 0.0
+
+    def add_sync(self, seconds: float):
+        self.syncs += 1
+        self.sync_seconds += seconds
 
 
 class ScoreAccumulator:
@@ -145,6 +160,7 @@ class Trainer:
         self._eval_step = tf.function(self._eval_step_fn, autograph=False, reduce_retracing=True)
         self._sync = tf.function(self._sync_fn, autograph=False)
         self._built = False
+        self._resume_epoch = 0  # the checkpoint to restore when the variables are created
 
     # ---- config parts -------------------------------------------------------------------------
 
@@ -210,7 +226,7 @@ class Trainer:
         state.update(self.optimizer.variables())
         return state
 
-    def _build(self, first_step: List, resume_epoch: Optional[int]):
+    def _build(self, first_step: List, resume_epoch: int):
         """Creates all variables by tracing the train step; restores the checkpoint when resuming."""
         self._train_step.get_concrete_function(self._distribute(first_step), tf.constant(0.0))
         self._built = True
@@ -256,38 +272,42 @@ class Trainer:
             f"start training at epoch {start_epoch}",
             file=self.log.v2,
         )
+        self._resume_epoch = start_epoch - 1
         for epoch in range(start_epoch, self.num_epochs + 1):
-            self.train_epoch(epoch, resume_epoch=start_epoch - 1 if not self._built else None)
+            self.train_epoch(epoch)
 
-    def train_epoch(self, epoch: int, resume_epoch: Optional[int] = None):
+    def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None):
+        """One training step on one batch per local replica, then a local-SGD sync if one is due.
+
+        Returns the step's summed metrics (see :func:`loss_metrics`).
+        """
+        if not self._built:
+            self._build(step_batches, self._resume_epoch)
+        metrics = self._train_step(self._distribute(step_batches), tf.constant(learning_rate, tf.float32))
+        stats = stats or EpochStats()
+        stats.steps += 1
+        if is_local_sgd(self.strategy) and self.sync_schedule.step_done():
+            stats.add_sync(self.sync())
+        return metrics
+
+    def train_epoch(self, epoch: int):
         """One epoch: train steps with periodic syncs, final sync, checkpoint, dev scores, logs."""
         learning_rate = self.learning_rate_control.get_learning_rate_for_epoch(epoch)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
-        local_sgd = is_local_sgd(self.strategy)
         scores = ScoreAccumulator()
-        steps = syncs = 0
-        sync_seconds = 0.0
+        stats = EpochStats()
         start = time.perf_counter()
-        lr_tensor = tf.constant(learning_rate, tf.float32)
         for step_batches in self.epoch_batches(self.train_datasets, epoch, train=True):
-            if not self._built:
-                self._build(step_batches, resume_epoch)
-            metrics = self._train_step(self._distribute(step_batches), lr_tensor)
-            scores.add(metrics)
-            steps += 1
-            if local_sgd and self.sync_schedule.step_done():
-                sync_seconds += self.sync()
-                syncs += 1
-        if steps == 0:
+            scores.add(self.train_step(step_batches, learning_rate, stats))
+        if stats.steps == 0:
             raise RuntimeError(f"epoch {epoch}: the training data gave no batch for every replica")
-        if local_sgd and self.sync_schedule.steps_since_sync:
-            sync_seconds += self.sync()
-            syncs += 1
-        train_seconds = time.perf_counter() - start
+        if is_local_sgd(self.strategy) and self.sync_schedule.steps_since_sync:
+            stats.add_sync(self.sync())
+        stats.seconds = time.perf_counter() - start
         if epoch % self.save_interval == 0 or epoch == self.num_epochs:
             checkpoints.save(self.epoch_filename(epoch), self.model_state())
         dev_results = self.evaluate(epoch)
-        self._record_epoch(epoch, scores, dev_results, steps, train_seconds, syncs, sync_seconds, learning_rate)
+        self._record_epoch(epoch, scores, dev_results, stats, learning_rate)
 
     def evaluate(self, epoch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
         """RETURNN's scores of the (averaged) model on each eval dataset: ``{"dev": {"score":..,"error":..}}``."""
@@ -321,7 +341,7 @@ class Trainer:
         group = group + [group[0]] * (self.num_replicas - len(group))
         return self._eval_step(self._distribute(group), self._distribute([tf.constant(w) for w in weights]))
 
-    def _record_epoch(self, epoch, scores, dev_results, steps, seconds, syncs, sync_seconds, learning_rate):
+    def _record_epoch(self, epoch, scores, dev_results, stats: "EpochStats", learning_rate):
         train_score, train_error = scores.score(), scores.error()
         lrc = self.learning_rate_control
         errors = {"train_score": train_score, "train_error": train_error}
@@ -335,11 +355,12 @@ class Trainer:
         )
         print(
             f"epoch {epoch} score: {format_score(train_score)} error: {format_score(train_error)} "
-            f"elapsed: {seconds:.1f}s {dev_text}",
+            f"elapsed: {stats.seconds:.1f}s {dev_text}",
             file=self.log.v1,
         )
         print(
-            f"epoch {epoch}: {steps} steps, {seconds:.2f} s, {syncs} syncs, {sync_seconds:.3f} s in sync",
+            f"epoch {epoch}: {stats.steps} steps, {stats.seconds:.2f} s, "
+            f"{stats.syncs} syncs, {stats.sync_seconds:.3f} s in sync",
             file=self.log.v2,
         )
         record = {
@@ -347,13 +368,13 @@ class Trainer:
             "strategy": self.options.strategy,
             "num_workers": 1,
             "num_replicas": self.num_replicas,
-            "steps": steps,
+            "steps": stats.steps,
             "learning_rate": learning_rate,
             "train_score": _single_or_dict(train_score),
             "train_error": _single_or_dict(train_error),
-            "seconds": round(seconds, 3),
-            "syncs": syncs,
-            "sync_seconds": round(sync_seconds, 4),
+            "seconds": round(stats.seconds, 3),
+            "syncs": stats.syncs,
+            "sync_seconds": round(stats.sync_seconds, 4),
         }
         for name, result in dev_results.items():
             record[f"{name}_score"] = _single_or_dict(result["score"])

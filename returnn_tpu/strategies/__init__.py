@@ -5,6 +5,8 @@ Knows nothing of RETURNN: importable and testable without it.
 
 from __future__ import annotations
 
+import itertools
+
 import tensorflow as tf
 
 from returnn_tpu.errors import ConfigError
@@ -15,15 +17,31 @@ from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStra
 __all__ = ["make_strategy", "is_local_sgd", "LocalSGDStrategy", "local_replica_devices"]
 
 
+_COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)  # 0 is the default of strategies made elsewhere
+
+
+def _with_own_collective_keys(cls, *args):
+    """``cls(*args)`` with collective keys no other strategy of this process uses.
+
+    Mirrored strategies number their collective instances from ``_collective_key_base``; two
+    strategies in one process (tests, a sync and an eval run) would otherwise reuse the keys and
+    TensorFlow would match up unrelated all-reduces ("Shape mismatch in the collective instance").
+    """
+    strategy = cls.__new__(cls)
+    strategy._collective_key_base = next(_COLLECTIVE_KEY_BASES)
+    strategy.__init__(*args)
+    return strategy
+
+
 def make_strategy(options: DistributeOptions) -> tf.distribute.Strategy:
     """Builds the strategy that ``options.strategy`` names, over this machine's devices."""
     devices = local_replica_devices(options.num_replicas)
     if options.strategy == "single":
         return tf.distribute.OneDeviceStrategy(devices[0])
     if options.strategy == "mirrored":
-        return tf.distribute.MirroredStrategy(devices)
+        return _with_own_collective_keys(tf.distribute.MirroredStrategy, devices)
     if options.strategy == "local_sgd":
-        return LocalSGDStrategy(devices)
+        return _with_own_collective_keys(LocalSGDStrategy, devices)
     raise ConfigError(f"distribute_strategy {options.strategy!r} is not implemented yet; use 'single', 'mirrored' or 'local_sgd'")
 
 

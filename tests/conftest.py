@@ -1,0 +1,95 @@
+"""Test setup: four logical CPU devices (before TensorFlow initialises) and RETURNN's TF backend."""
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+NUM_LOGICAL_CPUS = 4
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
+)
+
+from returnn_tpu.returnn_bridge import setup_returnn  # noqa: E402
+
+setup_returnn()
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **config_values):
+    """A Trainer for the 12AX task (9 inputs, 2 classes), with checkpoints under tmp_path."""
+    from returnn.config import Config, set_global_config
+
+    from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.trainer import Trainer
+
+    values = {
+        "task": "train",
+        "train": {"class": "Task12AXDataset", "num_seqs": 20},
+        "extern_data": {"data": {"dim": 9}, "classes": {"dim": 2, "sparse": True}},
+        "network": network,
+        "batch_size": 200,
+        "max_seqs": 4,
+        "optimizer": {"class": "sgd"},
+        "learning_rate": 0.1,
+        "model": str(tmp_path / "model"),
+        "learning_rate_file": str(tmp_path / "lr"),
+        "num_epochs": 1,
+        "log": [],
+        "log_verbosity": 0,
+    }
+    values.update(config_values)
+    options = values.pop("distribute_options", {})
+    config = Config(values)
+    set_global_config(config)
+    return Trainer(config, DistributeOptions(strategy=strategy, num_replicas=num_replicas, **options))
+
+
+def random_step_batches(rng, num_replicas, *, batch=3, time=7, dim=9, classes=2):
+    """One padded 12AX-shaped batch per replica, with unequal sequence lengths."""
+    import numpy
+
+    step = []
+    for _ in range(num_replicas):
+        lengths = rng.randint(2, time + 1, size=(batch,)).astype("int32")
+        lengths[0] = time
+        step.append(
+            {
+                "data": rng.randn(batch, time, dim).astype("float32"),
+                "size:data:0": lengths,
+                "classes": rng.randint(0, classes, size=(batch, time)).astype("int32"),
+                "size:classes:0": lengths.copy(),
+            }
+        )
+    return step
+
+
+def replica_values(strategy, var):
+    """Every replica's copy of a variable as NumPy arrays."""
+    return [c.numpy() for c in strategy.experimental_local_results(var)]
+
+
+@pytest.fixture
+def rng():
+    import numpy
+
+    return numpy.random.RandomState(42)
+
+
+def run_cli(args, cwd, timeout=600, env=None):
+    """Runs ``returnn-tpu`` as a user would, in a fresh process."""
+    import subprocess
+
+    full_env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "returnn_tpu.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

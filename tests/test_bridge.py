@@ -1,0 +1,87 @@
+"""The RETURNN bridge: every parameter gets a gradient, replicas get their own dropout masks."""
+
+import numpy
+import pytest
+import tensorflow as tf
+
+from conftest import make_trainer, random_step_batches, replica_values
+
+LAYER_NETWORKS = {
+    "linear": {
+        "l": {"class": "linear", "activation": "relu", "n_out": 8, "from": "data"},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
+    "standardlstm": {
+        "l": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
+    "nativelstm2": {
+        "l": {"class": "rec", "unit": "nativelstm2", "n_out": 8, "from": "data"},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
+    "conv": {
+        "l": {"class": "conv", "filter_size": (3,), "padding": "same", "n_out": 8, "activation": "relu", "from": "data"},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
+    "self_attention": {
+        "l": {"class": "self_attention", "num_heads": 2, "total_key_dim": 8, "n_out": 8, "from": "data"},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
+    "layer_norm": {
+        "lin": {"class": "linear", "activation": None, "n_out": 8, "from": "data"},
+        "l": {"class": "layer_norm", "from": "lin"},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
+    "dropout": {
+        "lin": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "data"},
+        "l": {"class": "dropout", "dropout": 0.3, "from": "lin"},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
+}
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_NETWORKS))
+def test_every_parameter_gets_a_gradient(tmp_path, rng, layer):
+    trainer = make_trainer(tmp_path, LAYER_NETWORKS[layer], strategy="mirrored", num_replicas=2)
+    batches = trainer._distribute(random_step_batches(rng, 2))
+    replica_gradients = tf.function(lambda b: trainer.strategy.run(trainer._replica_train, args=(b,)), autograph=False)
+    grads, _ = replica_gradients(batches)
+    expected_layers = set(LAYER_NETWORKS[layer]) - {"l"} if layer == "dropout" else set(LAYER_NETWORKS[layer])
+    assert {name.split("/")[0] for name in grads} == expected_layers
+    for name, grad in grads.items():
+        for replica_grad in trainer.strategy.experimental_local_results(grad):
+            assert replica_grad is not None, name
+            assert numpy.abs(replica_grad.numpy()).max() > 0, f"{name}: zero gradient"
+
+
+def test_parameter_count_matches_plain_returnn(tmp_path):
+    """Parameters are created once (not per trace or per replica) and are exactly RETURNN's."""
+    trainer = make_trainer(tmp_path, LAYER_NETWORKS["standardlstm"], num_replicas=2)
+    trainer.train_step(random_step_batches(numpy.random.RandomState(0), 2), 0.1)
+    trainer.train_step(random_step_batches(numpy.random.RandomState(1), 2, time=11), 0.1)
+    assert sorted(trainer.builder.variables.by_name) == [
+        "l/rec/lstm_cell/bias", "l/rec/lstm_cell/kernel", "output/W", "output/b"
+    ]
+
+
+def test_replicas_drop_different_units(tmp_path):
+    network = {
+        "l": {"class": "dropout", "dropout": 0.5, "dropout_noise_shape": {"*": None}, "from": "data"},
+        "output": {"class": "copy", "from": "l"},
+    }
+    trainer = make_trainer(tmp_path, network, strategy="mirrored", num_replicas=2, train={"class": "Task12AXDataset", "num_seqs": 2})
+    ones = {"data": numpy.ones((2, 50, 9), "float32"), "size:data:0": numpy.array([50, 50], "int32")}
+
+    @tf.function(autograph=False)
+    def dropout_masks(batch):
+        def replica(b):
+            from returnn_tpu.returnn_bridge import static_replica_id
+
+            net, _ = trainer.builder.build(b, train=True, replica_id=static_replica_id())
+            return tf.cast(net.get_default_output_layer().output.placeholder > 0, tf.float32)
+
+        return trainer.strategy.run(replica, args=(batch,))
+
+    masks = [m.numpy() for m in trainer.strategy.experimental_local_results(dropout_masks(trainer._distribute([ones, ones])))]
+    assert 0.3 < masks[0].mean() < 0.7 and 0.3 < masks[1].mean() < 0.7
+    assert (masks[0] != masks[1]).mean() > 0.3

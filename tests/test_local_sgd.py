@@ -1,0 +1,68 @@
+"""Local SGD against synchronous SGD, on logical CPU devices, through the real trainer."""
+
+import doctest
+
+import numpy
+import pytest
+import tensorflow as tf
+
+from conftest import make_trainer, random_step_batches, replica_values
+
+FEED_FORWARD = {
+    "hidden": {"class": "linear", "activation": "tanh", "n_out": 16, "from": "data"},
+    "output": {"class": "softmax", "loss": "ce", "from": "hidden"},
+}
+LSTM = {
+    "lstm": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"},
+    "output": {"class": "softmax", "loss": "ce", "from": "lstm"},
+}
+
+
+def test_docstring_example():
+    from returnn_tpu.strategies import local_sgd
+
+    result = doctest.testmod(local_sgd, extraglobs={"tf": tf})
+    assert result.attempted > 0 and result.failed == 0
+
+
+def _final_params(tmp_path, network, strategy, steps, seed, **options):
+    trainer = make_trainer(tmp_path / strategy, network, strategy=strategy, num_replicas=2, **options)
+    rng = numpy.random.RandomState(seed)
+    for _ in range(steps):
+        trainer.train_step(random_step_batches(rng, 2), 0.1)
+    return trainer, {name: replica_values(trainer.strategy, v) for name, v in trainer.builder.variables.by_name.items()}
+
+
+@pytest.mark.parametrize("network", [FEED_FORWARD, LSTM], ids=["feed_forward", "lstm"])
+def test_sync_every_step_equals_mirrored(tmp_path, network):
+    tf.random.set_seed(1)
+    _, local = _final_params(
+        tmp_path, network, "local_sgd", 20, seed=3, distribute_options={"param_sync_step": 1}
+    )
+    tf.random.set_seed(1)
+    _, mirrored = _final_params(tmp_path, network, "mirrored", 20, seed=3)
+    assert local.keys() == mirrored.keys()
+    for name in local:
+        for local_copy, mirrored_copy in zip(local[name], mirrored[name]):
+            numpy.testing.assert_allclose(local_copy, mirrored_copy, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_without_sync_the_result_differs_from_mirrored(tmp_path):
+    """The comparison above can fail: averaging less often gives other parameters."""
+    _, local = _final_params(tmp_path, FEED_FORWARD, "local_sgd", 20, seed=3, distribute_options={"param_sync_step": 7})
+    _, mirrored = _final_params(tmp_path, FEED_FORWARD, "mirrored", 20, seed=3)
+    assert numpy.abs(local["hidden/W"][0] - mirrored["hidden/W"][0]).max() > 1e-4
+
+
+def test_copies_differ_between_syncs_and_agree_after(tmp_path, rng):
+    trainer = make_trainer(tmp_path, FEED_FORWARD, distribute_options={"param_sync_step": 5})
+    weights = lambda: replica_values(trainer.strategy, trainer.builder.variables.by_name["hidden/W"])  # noqa: E731
+    for _ in range(3):
+        trainer.train_step(random_step_batches(rng, 2), 0.1)
+    after_3 = weights()
+    assert numpy.abs(after_3[0] - after_3[1]).max() > 1e-4
+    for _ in range(2):
+        trainer.train_step(random_step_batches(rng, 2), 0.1)
+    after_5 = weights()
+    numpy.testing.assert_array_equal(after_5[0], after_5[1])
+    assert numpy.abs(after_5[0] - after_3[0]).max() > 1e-4
