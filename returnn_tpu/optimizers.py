@@ -27,19 +27,19 @@ class Optimizer:
 
     def __init__(self):
         self.slots: Dict[str, Dict[str, tf.Variable]] = {}  # variable name -> slot name -> slot variable
-        self.step: Optional[tf.Variable] = None  # number of applied updates, for Adam's bias correction
+        self.step: Optional[tf.Variable] = None  # applied updates (RETURNN's global_step; Adam's bias correction)
 
     def variables(self) -> Dict[str, tf.Variable]:
         """The optimizer's state by checkpoint name."""
         state = {f"{var_name}/{slot}": v for var_name, slots in self.slots.items() for slot, v in slots.items()}
         if self.step is not None:
-            state["optimizer_step"] = self.step
+            state["global_step"] = self.step  # RETURNN's name; its loader requires it
         return state
 
     def _create_state(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]):
         with tf.init_scope(), strategy.scope():
             if self.step is None:
-                self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="optimizer_step")
+                self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
             for var in variables:
                 name = var_name(var)
                 if name in self.slots:

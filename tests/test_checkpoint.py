@@ -1,0 +1,69 @@
+"""Checkpoints written by returnn-tpu load in plain RETURNN and give the same outputs."""
+
+import os
+
+import numpy
+import tensorflow as tf
+
+from conftest import make_trainer, random_step_batches
+from returnn_tpu import checkpoints
+
+NETWORK = {
+    "lstm": {"class": "rec", "unit": "nativelstm2", "n_out": 8, "from": "data"},
+    "output": {"class": "softmax", "loss": "ce", "from": "lstm"},
+}
+
+
+def test_checkpoint_loads_in_plain_returnn(tmp_path, rng):
+    from returnn.tf.network import TFNetwork
+
+    trainer = make_trainer(tmp_path, NETWORK, distribute_options={"param_sync_step": 100}, optimizer={"class": "adam"})
+    for _ in range(3):
+        trainer.train_step(random_step_batches(rng, 2), 0.05)
+    trainer.sync()
+    prefix = str(tmp_path / "model.001")
+    checkpoints.save(prefix, trainer.model_state())
+    assert sorted(os.listdir(tmp_path)) == ["model.001.data-00000-of-00001", "model.001.index"]
+
+    (batch,) = random_step_batches(rng, 1)
+
+    @tf.function(autograph=False)
+    def forward(b):
+        def replica(x):
+            net, _ = trainer.builder.build(x, train=False, replica_id=0)
+            return net.get_default_output_layer().output.copy_as_batch_major().placeholder
+
+        return trainer.strategy.run(replica, args=(b,))
+
+    ours = trainer.strategy.experimental_local_results(forward(trainer._distribute([batch, batch])))[0].numpy()
+
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        net = TFNetwork(config=trainer.config, train_flag=False, eval_flag=False)
+        net.construct_from_dict(NETWORK)
+        net.load_params_from_file(prefix, session=session)
+        data = net.extern_data.data["data"]
+        output = net.get_default_output_layer().output.copy_as_batch_major()
+        theirs = session.run(
+            output.placeholder,
+            feed_dict={data.placeholder: batch["data"], data.size_placeholder[0]: batch["size:data:0"],
+                       net.extern_data.get_batch_info().dim: len(batch["data"])},
+        )
+    lengths = batch["size:data:0"]
+    for i, length in enumerate(lengths):  # padded frames are undefined in both
+        numpy.testing.assert_allclose(ours[i, :length], theirs[i, :length], atol=1e-5, rtol=0)
+    assert numpy.abs(ours[0] - 0.5).max() > 1e-3  # a trained model, not a constant
+
+
+def test_checkpoint_holds_optimizer_state_and_restores(tmp_path, rng):
+    trainer = make_trainer(tmp_path, NETWORK, optimizer={"class": "adam"})
+    trainer.train_step(random_step_batches(rng, 2), 0.05)
+    trainer.sync()
+    state = trainer.model_state()
+    assert "lstm/rec/W/Adam" in state and "lstm/rec/W/Adam_1" in state and "global_step" in state
+    checkpoints.save(str(tmp_path / "ckpt"), state)
+    saved = {name: var.numpy() for name, var in state.items()}
+    trainer.train_step(random_step_batches(rng, 2), 0.05)
+    checkpoints.restore(str(tmp_path / "ckpt"), state)
+    for name, var in state.items():
+        for copy in trainer.strategy.experimental_local_results(var):
+            numpy.testing.assert_array_equal(copy.numpy(), saved[name], err_msg=name)

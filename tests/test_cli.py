@@ -1,0 +1,102 @@
+"""The command as a user runs it: the demo, kill and resume, and bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_cli
+
+DEMO = os.path.join(REPO, "demos", "demo-local-sgd.12ax.config")
+
+SMALL_CONFIG = """#!returnn-tpu
+task = "train"
+train = {"class": "Task12AXDataset", "num_seqs": 40}
+dev = {"class": "Task12AXDataset", "num_seqs": 10, "fixed_random_seed": 1}
+num_inputs = 9
+num_outputs = 2
+batch_size = 300
+max_seqs = 5
+network = {
+    "fw0": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"},
+    "output": {"class": "softmax", "loss": "ce", "from": "fw0"},
+}
+optimizer = {"class": "adam"}
+learning_rate = 0.01
+model = "out/model"
+learning_rate_file = "out/lr"
+num_epochs = 3
+log_verbosity = 3
+distribute_strategy = "local_sgd"
+distribute_options = {"num_replicas": 2, "param_sync_step": 2}
+"""
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_demo_trains_and_dev_score_improves(tmp_path):
+    result = run_cli([DEMO, "++model", str(tmp_path / "model"), "++learning_rate_file", str(tmp_path / "lr"),
+                      "++log", str(tmp_path / "train.log")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert metrics[-1]["dev_score"] < metrics[0]["dev_score"]
+    assert all(m["strategy"] == "local_sgd" and m["num_replicas"] == 4 and m["syncs"] >= 1 for m in metrics)
+    for epoch in range(1, 6):
+        assert os.path.exists(tmp_path / f"model.{epoch:03d}.index")
+    with open(tmp_path / "train.log") as f:
+        log = f.read()
+    assert "epoch 5 score:" in log and "dev: score" in log
+    assert "ignoring tf_session_opts['gpu_options']['per_process_gpu_memory_fraction']" in log
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path):
+    (tmp_path / "train.config").write_text(SMALL_CONFIG)
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config", "++num_epochs", "100"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not os.path.exists(tmp_path / "out" / "model.002.index"):
+        assert proc.poll() is None, "training ended before the second checkpoint"
+        assert time.time() < deadline, "no second checkpoint within 300 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = [m["epoch"] for m in read_metrics(tmp_path / "out" / "metrics.jsonl")]
+    last = max(e for e in range(1, 100) if os.path.exists(tmp_path / "out" / f"model.{e:03d}.index"))
+    assert last >= 2
+    result = run_cli(["train.config", "++num_epochs", str(last + 1)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"start training at epoch {last + 1}" in result.stdout
+    resumed = [m["epoch"] for m in read_metrics(tmp_path / "out" / "metrics.jsonl")]
+    assert resumed == done + [last + 1]  # nothing trained twice, nothing skipped
+    assert os.path.exists(tmp_path / "out" / f"model.{last + 1:03d}.index")
+    assert not [f for f in os.listdir(tmp_path / "out") if ".tmp-" in f]
+
+
+BAD_INPUT = [
+    ('distribute_strategy = "allreduce"', "distribute_strategy"),
+    ('distribute_options = {"num_replicas": 2, "sync_every": 3}', "sync_every"),
+    ('distribute_options = {"param_sync_step": 0}', "param_sync_step"),
+    ('distribute_options = {"param_sync_step": -1}', "param_sync_step"),
+    ('distribute_options = {"param_sync_step": "5"}', "param_sync_step"),
+    ('distribute_options = {"num_replicas": 0}', "num_replicas"),
+]
+
+
+@pytest.mark.parametrize("line,option", BAD_INPUT, ids=[b[0].split("=", 1)[1].strip() for b in BAD_INPUT])
+def test_bad_input_is_a_one_line_error(tmp_path, line, option):
+    (tmp_path / "train.config").write_text(SMALL_CONFIG + "\n" + line + "\nlog = 'out/train.log'\n")
+    result = run_cli(["train.config"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [l for l in result.stderr.splitlines() if l.startswith("returnn-tpu: error:")]
+    assert len(lines) == 1 and option in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == ["train.config"]
