@@ -16,6 +16,10 @@ which batch, and reads ahead on a background thread.
 * ``"shard"``: one dataset, one order; consecutive batches go to replicas in turn. An epoch is
   one pass over the dataset in total; the last ``< num_replicas`` batches are dropped.
 
+With several workers, all of them do the same number of steps in an epoch: the smallest
+number any of them has (agreed once at the start of the epoch), so none waits in a collective
+for a worker that has run out of data.
+
 No ``tf.data.Dataset.from_generator`` (DESIGN.md fact 18): batches are NumPy arrays handed to
 the step function directly.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
@@ -101,12 +105,18 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
 
 
 class EpochBatches:
-    """The steps of one epoch: each step is a list with one padded batch per local replica.
+    """The steps of one epoch: each step has one padded batch per local replica.
 
-    ``datasets`` has one dataset per replica (each replica walks its own) or a single one whose
-    batches are dealt to the replicas in turn (``replica_slot`` of ``num_slots`` global
-    replicas, for the multi-worker case; on one machine ``replica_slot`` is 0).
-    Iterate it once; reading happens on a background thread, ``prefetch`` steps ahead.
+    Either one dataset per local replica (each replica walks its own; the epoch has as many
+    steps as the shortest), or one dataset whose batches are dealt in turn to ``num_slots``
+    global replicas, of which this process feeds ``slots`` (a range). The batch lists are made
+    up front (RETURNN's batch generator, no data loaded), so :attr:`num_steps` is known before
+    the first step and workers can agree on it; :meth:`limit_steps` lowers it.
+
+    With ``pad_last`` (evaluation), the last, incomplete group of a dealt dataset is kept and
+    filled with weight-0 copies of the first batch, so every batch is seen exactly once.
+    Iterating yields ``(batches, weights)``; data is read on a background thread, ``prefetch``
+    steps ahead.
     """
 
     def __init__(
@@ -114,26 +124,40 @@ class EpochBatches:
         datasets: Sequence,
         *,
         epoch: int,
-        num_replicas: int,
         extern_data,
         data_keys: Sequence[str],
         make_batches: Callable,
-        replica_slot: int = 0,
+        slots: Optional[range] = None,
         num_slots: Optional[int] = None,
+        pad_last: bool = False,
         prefetch: int = 4,
     ):
         self.datasets = list(datasets)
-        self.num_replicas = num_replicas
         self.extern_data = extern_data
         self.data_keys = list(data_keys)
-        self.replica_slot = replica_slot
-        self.num_slots = num_slots or num_replicas
+        self.slots = slots if slots is not None else range(len(self.datasets))
+        self.num_slots = num_slots or len(self.slots)
+        self.pad_last = pad_last
+        self.prefetch = prefetch
+        self.batch_lists = []
         for dataset in self.datasets:
             dataset.init_seq_order(epoch=epoch)
-        self.batch_sets = [make_batches(dataset) for dataset in self.datasets]
-        self._queue: "queue.Queue" = queue.Queue(maxsize=prefetch)
-        self._thread = threading.Thread(target=self._produce, name="returnn_tpu batches", daemon=True)
-        self._stop = threading.Event()
+            batch_set = make_batches(dataset)
+            batches = []
+            while batch_set.has_more():
+                batches.extend(batch_set.peek_next_n(1))
+                batch_set.advance(1)
+            self.batch_lists.append(batches)
+        if len(self.datasets) > 1:
+            self.num_steps = min(len(batches) for batches in self.batch_lists)
+        elif pad_last:
+            self.num_steps = -(-len(self.batch_lists[0]) // self.num_slots)
+        else:
+            self.num_steps = len(self.batch_lists[0]) // self.num_slots
+
+    def limit_steps(self, num_steps: int):
+        """Ends the epoch after ``num_steps`` steps (e.g. the minimum all workers can do)."""
+        self.num_steps = min(self.num_steps, num_steps)
 
     def _raw_batch(self, dataset, batch) -> Batch:
         from returnn.engine.batch import batch_to_raw_dict
@@ -146,55 +170,53 @@ class EpochBatches:
                 out[size_key(key, 0)] = raw[f"{key}_seq_lens"].astype("int32")
         return out
 
-    def _take(self, index: int, *, read: bool) -> Optional[Batch]:
-        """Advances dataset ``index`` by one batch; returns it padded if ``read``, else an empty dict."""
-        batch_set = self.batch_sets[index]
-        if not batch_set.has_more():
-            return None
-        (batch,) = batch_set.peek_next_n(1)
-        batch_set.advance(1)
-        return self._raw_batch(self.datasets[index], batch) if read else {}
+    def _step(self, step: int):
+        if len(self.datasets) > 1:
+            return [self._raw_batch(d, b[step]) for d, b in zip(self.datasets, self.batch_lists)], [1.0] * len(
+                self.datasets
+            )
+        dataset, batches = self.datasets[0], self.batch_lists[0]
+        out, weights = [], []
+        for slot in self.slots:
+            index = step * self.num_slots + slot
+            if index < len(batches):
+                out.append(self._raw_batch(dataset, batches[index]))
+                weights.append(1.0)
+            else:  # only with pad_last: a placeholder that counts zero
+                out.append(self._raw_batch(dataset, batches[0]))
+                weights.append(0.0)
+        return out, weights
 
-    def _next_step(self) -> Optional[List[Batch]]:
-        """The next step's batches for the local replicas, or None at the end of the epoch."""
-        if len(self.datasets) > 1:  # one dataset per replica
-            step = [self._take(i, read=True) for i in range(self.num_replicas)]
-        else:  # one dataset dealt in turn over all global replicas; ours are a contiguous range
-            mine = range(self.replica_slot, self.replica_slot + self.num_replicas)
-            step = [self._take(0, read=slot in mine) for slot in range(self.num_slots)]
-            step = step if None in step else [step[slot] for slot in mine]
-        return None if any(batch is None for batch in step) else step
+    def __iter__(self) -> Iterator[Tuple[List[Batch], List[float]]]:
+        results: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
 
-    def _produce(self):
-        try:
-            while not self._stop.is_set():
-                step = self._next_step()
-                self._queue.put(step)
-                if step is None:
-                    return
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            self._queue.put(exc)
+        def produce():
+            try:
+                for step in range(self.num_steps):
+                    if stop.is_set():
+                        return
+                    results.put(self._step(step))
+                results.put(None)
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                results.put(exc)
 
-    def __iter__(self) -> Iterator[List[Batch]]:
-        self._thread.start()
+        thread = threading.Thread(target=produce, name="returnn_tpu batches", daemon=True)
+        thread.start()
         try:
             while True:
-                item = self._queue.get()
+                item = results.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item is None:
                     return
                 yield item
         finally:
-            self._stop.set()
-            while self._thread.is_alive():  # unblock a producer waiting on a full queue
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
                 try:
-                    self._queue.get(timeout=0.1)
+                    results.get(timeout=0.1)
                 except queue.Empty:
                     pass
             for dataset in self.datasets:
                 dataset.finish_epoch()
-
-    def complete_frac(self) -> float:
-        """How much of the epoch has been read, from RETURNN's batch set generator (0..1)."""
-        return min(b.completed_frac() for b in self.batch_sets)

@@ -51,6 +51,9 @@ class DistributeOptions:
     :ivar cluster_resolver: how the workers of a multi-machine run find each other.
     :ivar dataset_distribution: how the replicas split the data (see README, "What an epoch is").
     :ivar jit_compile: compile the per-replica forward and backward pass with XLA.
+    :ivar startup_timeout: seconds to wait for all workers of a multi-worker run to come up.
+    :ivar collective_timeout: seconds any one all-reduce between workers may wait.
+    :ivar sync_bucket_bytes: parameters are averaged in all-reduces of about this many bytes.
     """
 
     strategy: str = "single"
@@ -60,6 +63,9 @@ class DistributeOptions:
     cluster_resolver: str = "auto"
     dataset_distribution: str = "random_seed_offset"
     jit_compile: bool = False
+    startup_timeout: float = 300.0
+    collective_timeout: float = 1800.0
+    sync_bucket_bytes: int = 32 * 1024 * 1024
 
     @classmethod
     def from_config_values(cls, strategy: Any, options: Optional[Mapping[str, Any]]) -> "DistributeOptions":
@@ -90,6 +96,11 @@ class DistributeOptions:
             kwargs["dataset_distribution"] = _one_of(
                 "dataset_distribution", options["dataset_distribution"], DATASET_DISTRIBUTIONS
             )
+        for key in ("startup_timeout", "collective_timeout"):
+            if key in options:
+                kwargs[key] = _positive_number(key, options[key])
+        if "sync_bucket_bytes" in options:
+            kwargs["sync_bucket_bytes"] = _positive_int("sync_bucket_bytes", options["sync_bucket_bytes"])
         if "jit_compile" in options:
             if not isinstance(options["jit_compile"], bool):
                 raise ConfigError(f"distribute_options['jit_compile'] must be True or False, got {options['jit_compile']!r}")

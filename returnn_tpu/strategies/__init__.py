@@ -6,21 +6,31 @@ Knows nothing of RETURNN: importable and testable without it.
 from __future__ import annotations
 
 import itertools
+from typing import Optional
 
 import tensorflow as tf
 
+from returnn_tpu.cluster import Cluster
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
+from returnn_tpu.strategies.multi_worker import MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy
 
-__all__ = ["make_strategy", "is_local_sgd", "LocalSGDStrategy", "local_replica_devices"]
+__all__ = [
+    "make_strategy",
+    "is_local_sgd",
+    "LocalSGDStrategy",
+    "MultiWorkerLocalSGDStrategy",
+    "MultiWorkerMirroredStrategy",
+    "local_replica_devices",
+]
 
 
 _COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)  # 0 is the default of strategies made elsewhere
 
 
-def _with_own_collective_keys(cls, *args):
+def _with_own_collective_keys(cls, *args, **kwargs):
     """``cls(*args)`` with collective keys no other strategy of this process uses.
 
     Mirrored strategies number their collective instances from ``_collective_key_base``; two
@@ -29,12 +39,26 @@ def _with_own_collective_keys(cls, *args):
     """
     strategy = cls.__new__(cls)
     strategy._collective_key_base = next(_COLLECTIVE_KEY_BASES)
-    strategy.__init__(*args)
+    strategy.__init__(*args, **kwargs)
     return strategy
 
 
-def make_strategy(options: DistributeOptions) -> tf.distribute.Strategy:
-    """Builds the strategy that ``options.strategy`` names, over this machine's devices."""
+def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None) -> tf.distribute.Strategy:
+    """Builds the strategy that ``options.strategy`` names.
+
+    With a ``cluster`` of several workers, ``local_sgd`` and ``multi_worker_mirrored`` span all of
+    them (one replica per worker on CPU; per GPU on GPU machines); otherwise this machine's devices.
+    """
+    multi_worker = cluster is not None and cluster.num_workers > 1
+    if options.strategy == "multi_worker_mirrored" or (options.strategy == "local_sgd" and multi_worker):
+        cls = MultiWorkerLocalSGDStrategy if options.strategy == "local_sgd" else MultiWorkerMirroredStrategy
+        return _with_own_collective_keys(
+            cls,
+            cluster.resolver if cluster else None,
+            collective_timeout=options.collective_timeout,
+            bucket_bytes=options.sync_bucket_bytes,
+            startup_timeout=options.startup_timeout,
+        )
     devices = local_replica_devices(options.num_replicas)
     if options.strategy == "single":
         return tf.distribute.OneDeviceStrategy(devices[0])
@@ -42,7 +66,10 @@ def make_strategy(options: DistributeOptions) -> tf.distribute.Strategy:
         return _with_own_collective_keys(tf.distribute.MirroredStrategy, devices)
     if options.strategy == "local_sgd":
         return _with_own_collective_keys(LocalSGDStrategy, devices)
-    raise ConfigError(f"distribute_strategy {options.strategy!r} is not implemented yet; use 'single', 'mirrored' or 'local_sgd'")
+    raise ConfigError(
+        f"distribute_strategy {options.strategy!r} is not implemented yet; "
+        "use 'single', 'mirrored', 'local_sgd' or 'multi_worker_mirrored'"
+    )
 
 
 def is_local_sgd(strategy: tf.distribute.Strategy) -> bool:

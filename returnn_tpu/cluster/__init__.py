@@ -1,0 +1,73 @@
+"""Finding the other workers of a multi-machine run (no RETURNN import).
+
+``distribute_options["cluster_resolver"]``:
+
+* ``"tf_config"``: TensorFlow's ``TF_CONFIG`` environment variable (GCE, AWS, the local launcher).
+* ``"mpi"`` / ``"sge"``: ranks from ``mpirun`` (SGE's ``qsub -pe mpi N`` too), via ``mpi4py``.
+* ``"local"``: this process alone.
+* ``"auto"`` (default): ``TF_CONFIG`` if set, else MPI if ``mpirun`` started the process, else local.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Mapping, Optional
+
+import tensorflow as tf
+
+from returnn_tpu.cluster.mpi import mpi_cluster_resolver, started_by_mpirun
+from returnn_tpu.errors import ConfigError
+
+
+@dataclasses.dataclass
+class Cluster:
+    """The workers of this run, as found by a resolver."""
+
+    kind: str  # "local", "tf_config", "mpi"
+    resolver: Optional[tf.distribute.cluster_resolver.ClusterResolver]
+    worker_index: int = 0
+    num_workers: int = 1
+    description: str = "one local process"
+
+    @property
+    def is_chief(self) -> bool:
+        """Worker 0 writes checkpoints, the learning-rate file, metrics and the main log."""
+        return self.worker_index == 0
+
+
+def resolve_cluster(kind: str = "auto", environ: Mapping[str, str] = os.environ) -> Cluster:
+    """The cluster that ``kind`` (a ``cluster_resolver`` value) finds from ``environ``."""
+    if kind == "auto":
+        if environ.get("TF_CONFIG"):
+            kind = "tf_config"
+        elif started_by_mpirun(environ):
+            kind = "mpi"
+        else:
+            kind = "local"
+    if kind == "local":
+        return Cluster("local", None)
+    if kind == "tf_config":
+        return _tf_config_cluster(environ)
+    if kind in ("mpi", "sge"):
+        resolver, description = mpi_cluster_resolver(environ)
+        return Cluster("mpi", resolver, resolver.task_id, len(resolver.cluster_spec().job_tasks("worker")), description)
+    raise ConfigError(f"cluster_resolver {kind!r} cannot be used with this strategy; use 'auto', 'tf_config', 'mpi', 'sge' or 'local'")
+
+
+def _tf_config_cluster(environ: Mapping[str, str]) -> Cluster:
+    try:
+        tf_config = json.loads(environ.get("TF_CONFIG") or "{}")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"TF_CONFIG is not valid JSON: {exc}") from None
+    if not tf_config.get("cluster") or not tf_config.get("task"):
+        raise ConfigError("cluster_resolver 'tf_config' needs TF_CONFIG with 'cluster' and 'task'")
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
+    workers = [f"{job}:{i}={address}" for job in spec.jobs for i, address in enumerate(spec.job_tasks(job))]
+    num_workers = sum(len(spec.job_tasks(job)) for job in spec.jobs if job in ("chief", "worker"))
+    index = resolver.task_id + (1 if resolver.task_type == "worker" and "chief" in spec.jobs else 0)
+    return Cluster(
+        "tf_config", resolver, index, num_workers, f"TF_CONFIG {resolver.task_type}:{resolver.task_id} of {workers}"
+    )

@@ -1,0 +1,108 @@
+"""Strategies across worker processes: TensorFlow's collective all-reduce over gRPC, with timeouts.
+
+* :class:`MultiWorkerLocalSGDStrategy`: local SGD; steps need no communication, the periodic
+  average is one bucketed collective all-reduce over all replicas of all workers.
+* :class:`MultiWorkerMirroredStrategy`: TensorFlow's synchronous multi-worker strategy.
+
+Both wait at most ``startup_timeout`` seconds for the cluster and stop with an error that names
+the workers that did not answer; every collective has ``collective_timeout``; TensorFlow's health
+check (every ``min(30, collective_timeout / 2)`` seconds) aborts collectives when a worker dies,
+naming it. Parameters are reduced in packs of ``bucket_bytes`` (few large all-reduces, not one
+per variable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as car
+
+from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
+
+
+def communication_options(collective_timeout: float, bucket_bytes: int):
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=bucket_bytes,
+        timeout_seconds=collective_timeout,
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+    )
+
+
+@contextlib.contextmanager
+def startup_deadline(cluster_resolver, startup_timeout: float):
+    """Ends this process with an error naming the missing workers if start-up takes too long.
+
+    See :mod:`returnn_tpu.strategies.startup_watchdog` for why this is a separate process.
+    """
+    spec = cluster_resolver.cluster_spec()
+    own = f"{cluster_resolver.task_type}:{cluster_resolver.task_id}"
+    peers = [
+        f"{job} {task_id}={address}"
+        for job in spec.jobs
+        for task_id, address in enumerate(spec.job_tasks(job))
+        if f"{job}:{task_id}" != own
+    ]
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", "returnn_tpu.strategies.startup_watchdog", str(os.getpid()),
+         str(startup_timeout), own.replace(":", " "), *peers],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        yield
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()
+
+
+class TimedCollectiveExtended(car.CollectiveAllReduceExtended):
+    """``CollectiveAllReduceExtended`` with a start-up timeout that names missing workers."""
+
+    def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float):
+        self._check_health_initial_timeout = startup_timeout
+        self._check_health_interval = max(1, min(30, int(options.timeout_seconds or 60) // 2))
+        if cluster_resolver is None:
+            cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        deadline = startup_deadline(cluster_resolver, startup_timeout) if cluster_resolver.cluster_spec().jobs else contextlib.nullcontext()
+        with deadline:
+            super().__init__(container_strategy, cluster_resolver=cluster_resolver, communication_options=options)
+
+
+class MultiWorkerLocalSGDExtended(LocalSGDExtendedMixin, TimedCollectiveExtended):
+    """Local SGD over all replicas of all workers. All behaviour is in the two bases."""
+
+
+class _MultiWorkerStrategy(car.CollectiveAllReduceStrategy):
+    """Builds its extended itself (the base class would build a plain one)."""
+
+    extended_class = TimedCollectiveExtended
+
+    def __init__(self, cluster_resolver, *, collective_timeout: float, bucket_bytes: int, startup_timeout: float):
+        options = communication_options(collective_timeout, bucket_bytes)
+        extended = self.extended_class(self, cluster_resolver, options, startup_timeout)
+        tf.distribute.Strategy.__init__(self, extended)  # skip CollectiveAllReduceStrategy.__init__
+
+    @property
+    def worker_index(self) -> int:
+        return self.extended._id_in_cluster
+
+    @property
+    def num_workers(self) -> int:
+        return self.extended._num_workers
+
+
+class MultiWorkerMirroredStrategy(_MultiWorkerStrategy):
+    """TensorFlow's synchronous multi-worker strategy with start-up and collective timeouts."""
+
+
+class MultiWorkerLocalSGDStrategy(_MultiWorkerStrategy):
+    """Local SGD across workers: every worker trains its replicas' copies; :meth:`sync` averages all.
+
+    Start one process per worker, each with the same ``TF_CONFIG`` cluster and its own task.
+    """
+
+    extended_class = MultiWorkerLocalSGDExtended
+    sync = LocalSGDStrategy.sync

@@ -1,0 +1,50 @@
+"""A separate process that ends a worker whose cluster start-up takes too long.
+
+TensorFlow's multi-worker start-up blocks in C++ while holding the GIL, waiting far longer than
+a job should for workers that never come; no Python thread or signal handler in the worker
+can run then. This watchdog runs beside it: if the worker has not closed the watchdog's stdin
+within the timeout, it probes the other workers' ports, prints one line naming those that do
+not answer, and kills the worker (exit status 1 of the watchdog, SIGKILL for the worker).
+
+    python -m returnn_tpu.strategies.startup_watchdog PID TIMEOUT OWN_NAME NAME=HOST:PORT ...
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+
+
+def unanswered(peers: dict, timeout_seconds: float = 1.0) -> list:
+    """The peers (name -> "host:port") whose port does not accept a TCP connection."""
+    missing = []
+    for name, address in peers.items():
+        host, port = address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_seconds).close()
+        except OSError:
+            missing.append(f"{name} ({address})")
+    return missing
+
+
+def main(argv):
+    pid, timeout, own = int(argv[0]), float(argv[1]), argv[2]
+    peers = dict(arg.split("=", 1) for arg in argv[3:])
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    if ready:  # the worker closed our stdin (start-up done) or died
+        return 0
+    missing = unanswered(peers)
+    sys.stderr.write(
+        f"returnn-tpu: error: {own}: the cluster did not come up within {timeout:g} s "
+        f"(distribute_options['startup_timeout']); no answer from {', '.join(missing) or 'a worker that has not joined'}\n"
+    )
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGKILL)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
