@@ -114,7 +114,7 @@ class EpochBatches:
     the first step and workers can agree on it; :meth:`limit_steps` lowers it.
 
     With ``pad_last`` (evaluation), the last, incomplete group of a dealt dataset is kept and
-    filled with weight-0 copies of the first batch, so every batch is seen exactly once.
+    filled with weight-0 copies of the last batch, so every batch is seen exactly once.
     Iterating yields ``(batches, weights)``; data is read on a background thread, ``prefetch``
     steps ahead.
     """
@@ -182,8 +182,9 @@ class EpochBatches:
             if index < len(batches):
                 out.append(self._raw_batch(dataset, batches[index]))
                 weights.append(1.0)
-            else:  # only with pad_last: a placeholder that counts zero
-                out.append(self._raw_batch(dataset, batches[0]))
+            else:  # only with pad_last: a placeholder that counts zero (the last batch: datasets
+                # such as generated ones can only load sequences in increasing order)
+                out.append(self._raw_batch(dataset, batches[-1]))
                 weights.append(0.0)
         return out, weights
 

@@ -20,6 +20,7 @@ import numpy
 import tensorflow as tf
 
 from returnn_tpu import checkpoints
+from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, EpochBatches, init_datasets
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import clip_gradients, optimizer_from_config, var_name
@@ -126,22 +127,25 @@ def check_supported(config):
 class Trainer:
     """Trains the network of a RETURNN config with the configured distribution strategy."""
 
-    def __init__(self, config, options: DistributeOptions):
+    def __init__(self, config, options: DistributeOptions, cluster: Optional[Cluster] = None):
         from returnn.log import log
 
         check_supported(config)
         self.config = config
         self.options = options
         self.log = log
-        self.strategy = make_strategy(options)
-        self.num_replicas = self.strategy.num_replicas_in_sync
+        self.cluster = cluster or Cluster("local", None)
+        self.strategy = make_strategy(options, self.cluster)
+        self.num_replicas = self.strategy.num_replicas_in_sync  # over all workers
+        self.local_replicas = len(self.strategy.extended.worker_devices)
+        self.first_replica = self.cluster.worker_index * self.local_replicas  # global index of our first
         self.builder = NetworkBuilder(config)
         self.optimizer = optimizer_from_config(config)
         self.info = self.builder.inspect()
         self.extern_data = self.info.extern_data
         self.batching = BatchingOptions(config)
         self.train_datasets = init_datasets(
-            config, "train", self.num_replicas, 0, options.dataset_distribution
+            config, "train", self.local_replicas, self.first_replica, options.dataset_distribution
         )
         if not self.train_datasets:
             raise ConfigError("config option 'train' (the training dataset) is missing")
@@ -159,6 +163,7 @@ class Trainer:
         self._train_step = tf.function(self._train_step_fn, autograph=False, reduce_retracing=True)
         self._eval_step = tf.function(self._eval_step_fn, autograph=False, reduce_retracing=True)
         self._sync = tf.function(self._sync_fn, autograph=False)
+        self._gather_from_workers = tf.function(self._gather_fn, autograph=False)
         self._built = False
         self._resume_epoch = 0  # the checkpoint to restore when the variables are created
 
@@ -210,13 +215,24 @@ class Trainer:
     def _sync_fn(self):
         self.strategy.sync(self.trainable_variables())
 
+    def _gather_fn(self, value):
+        return self.strategy.gather(value, axis=0)
+
     def _distribute(self, per_replica: List):
         """One value per local replica -> the strategy's per-replica value."""
         if self.num_replicas == 1:
             return per_replica[0]
         return self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: per_replica[ctx.replica_id_in_sync_group]
+            lambda ctx: per_replica[ctx.replica_id_in_sync_group - self.first_replica]
         )
+
+    def all_workers(self, value: int) -> List[int]:
+        """``value`` of every worker (one collective), in worker order; just ``[value]`` alone."""
+        if self.cluster.num_workers == 1:
+            return [value]
+        per_replica = self._distribute([tf.constant([value], tf.int64)] * self.local_replicas)
+        gathered = self._gather_from_workers(per_replica).numpy().tolist()
+        return gathered[:: self.local_replicas]
 
     # ---- model state --------------------------------------------------------------------------
 
@@ -234,6 +250,8 @@ class Trainer:
             filename = self.epoch_filename(resume_epoch)
             print(f"load model {filename}", file=self.log.v2)
             checkpoints.restore(filename, self.model_state())
+        if is_local_sgd(self.strategy) and self.cluster.num_workers > 1:
+            self.sync()  # start from one model everywhere, whatever each worker loaded
 
     def epoch_filename(self, epoch: int) -> str:
         from returnn.engine.base import EngineBase
@@ -250,26 +268,39 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
 
     def epoch_batches(self, datasets, epoch: int, *, train: bool) -> EpochBatches:
-        return EpochBatches(
+        """This worker's batches of an epoch; with several workers, all do the same number of steps."""
+        own_copies = len(datasets) > 1  # random_seed_offset: one dataset per local replica
+        batches = EpochBatches(
             datasets,
             epoch=epoch,
-            num_replicas=self.num_replicas,
             extern_data=self.extern_data,
             data_keys=self.data_keys,
             make_batches=lambda dataset: self.batching.generate(
                 dataset, recurrent=self.info.recurrent, used_data_keys=set(self.data_keys), train=train
             ),
+            slots=None if own_copies else range(self.first_replica, self.first_replica + self.local_replicas),
+            num_slots=None if own_copies else self.num_replicas,
+            pad_last=not train,
         )
+        batches.limit_steps(min(self.all_workers(batches.num_steps)))
+        return batches
 
     def train(self):
         """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``."""
         start_epoch = self.start_epoch()
+        start_epochs = self.all_workers(start_epoch)
+        if len(set(start_epochs)) > 1:
+            raise RuntimeError(
+                f"workers found different checkpoints to resume from (start epochs {start_epochs}); "
+                "`model` must be on a file system all workers share"
+            )
+        print(f"returnn-tpu: cluster: {self.cluster.description}", file=self.log.v2)
         if start_epoch > self.num_epochs:
             print(f"nothing to do: model for epoch {self.num_epochs} exists", file=self.log.v1)
             return
         print(
-            f"returnn-tpu: strategy {self.options.strategy}, {self.num_replicas} replicas, "
-            f"start training at epoch {start_epoch}",
+            f"returnn-tpu: strategy {self.options.strategy}, {self.cluster.num_workers} workers, "
+            f"{self.num_replicas} replicas, start training at epoch {start_epoch}",
             file=self.log.v2,
         )
         self._resume_epoch = start_epoch - 1
@@ -297,49 +328,41 @@ class Trainer:
         scores = ScoreAccumulator()
         stats = EpochStats()
         start = time.perf_counter()
-        for step_batches in self.epoch_batches(self.train_datasets, epoch, train=True):
+        for step_batches, _ in self.epoch_batches(self.train_datasets, epoch, train=True):
             scores.add(self.train_step(step_batches, learning_rate, stats))
         if stats.steps == 0:
             raise RuntimeError(f"epoch {epoch}: the training data gave no batch for every replica")
         if is_local_sgd(self.strategy) and self.sync_schedule.steps_since_sync:
             stats.add_sync(self.sync())
         stats.seconds = time.perf_counter() - start
-        if epoch % self.save_interval == 0 or epoch == self.num_epochs:
+        if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
             checkpoints.save(self.epoch_filename(epoch), self.model_state())
+        print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v3)
         dev_results = self.evaluate(epoch)
         self._record_epoch(epoch, scores, dev_results, stats, learning_rate)
 
     def evaluate(self, epoch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
-        """RETURNN's scores of the (averaged) model on each eval dataset: ``{"dev": {"score":..,"error":..}}``."""
+        """RETURNN's scores of the (averaged) model on each eval dataset: ``{"dev": {"score":..,"error":..}}``.
+
+        Every batch is evaluated exactly once, spread over all replicas of all workers.
+        """
         results = {}
         for dataset in self.dev_datasets:
             scores = ScoreAccumulator()
-            batches = EpochBatches(
-                [dataset],
-                epoch=epoch,
-                num_replicas=1,
-                extern_data=self.extern_data,
-                data_keys=self.data_keys,
-                make_batches=lambda d: self.batching.generate(
-                    d, recurrent=self.info.recurrent, used_data_keys=set(self.data_keys), train=False
-                ),
-            )
-            group = []
-            for (batch,) in batches:
-                group.append(batch)
-                if len(group) == self.num_replicas:
-                    scores.add(self._run_eval(group))
-                    group = []
-            if group:
-                scores.add(self._run_eval(group))
+            for step_batches, weights in self.epoch_batches([dataset], epoch, train=False):
+                weights = self._distribute([tf.constant(w, tf.float32) for w in weights])
+                scores.add(self._eval_step(self._distribute(step_batches), weights))
             results[dataset.name] = {"score": scores.score(), "error": scores.error()}
         return results
 
-    def _run_eval(self, group: List) -> Dict[str, tf.Tensor]:
-        """Evaluates up to one batch per replica; replicas without a batch repeat one with weight 0."""
-        weights = [1.0] * len(group) + [0.0] * (self.num_replicas - len(group))
-        group = group + [group[0]] * (self.num_replicas - len(group))
-        return self._eval_step(self._distribute(group), self._distribute([tf.constant(w) for w in weights]))
+    def parameter_checksum(self) -> float:
+        """Sum of the absolute parameter values of this worker's first replica (logged; equal on all
+        workers after a sync)."""
+        total = 0.0
+        for var in self.builder.variables.by_name.values():
+            first_copy = self.strategy.experimental_local_results(var)[0]
+            total += float(tf.reduce_sum(tf.abs(tf.cast(first_copy, tf.float64))))
+        return total
 
     def _record_epoch(self, epoch, scores, dev_results, stats: "EpochStats", learning_rate):
         train_score, train_error = scores.score(), scores.error()
@@ -349,7 +372,6 @@ class Trainer:
             errors[f"{name}_score"] = result["score"]
             errors[f"{name}_error"] = result["error"]
         lrc.set_epoch_error(epoch, {k: v for k, v in errors.items() if v})
-        lrc.save()
         dev_text = " ".join(
             f"{name}: score {format_score(r['score'])} error {format_score(r['error'])}" for name, r in dev_results.items()
         )
@@ -363,10 +385,13 @@ class Trainer:
             f"{stats.syncs} syncs, {stats.sync_seconds:.3f} s in sync",
             file=self.log.v2,
         )
+        if not self.cluster.is_chief:
+            return  # the chief alone writes the learning-rate file and metrics
+        lrc.save()
         record = {
             "epoch": epoch,
             "strategy": self.options.strategy,
-            "num_workers": 1,
+            "num_workers": self.cluster.num_workers,
             "num_replicas": self.num_replicas,
             "steps": stats.steps,
             "learning_rate": learning_rate,
