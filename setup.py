@@ -19,7 +19,8 @@ setup(
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16,<2.22"],
         "gpu": ["tensorflow[and-cuda]>=2.16,<2.22"],
-        "test": ["pytest>=7"],
+        "mpi": ["mpi4py>=3.1"],  # SGE / mpirun clusters (cluster_resolver "mpi", "sge")
+        "test": ["pytest>=7", "mpi4py>=3.1", "nbclient", "nbformat", "ipykernel", "matplotlib"],
     },
     entry_points={"console_scripts": ["returnn-tpu=returnn_tpu.cli:main"]},
 )

@@ -1,5 +1,7 @@
 """``returnn-tpu CONFIG [++key value ...]``: train a RETURNN config as RETURNN's ``rnn.py`` would.
 
+``returnn-tpu --local-workers N CONFIG ...`` runs N workers of one cluster on 127.0.0.1.
+
 Exit status: 0 on success, 2 for bad input (one line on stderr naming the option; nothing is
 written), 1 for a failure during training.
 """
@@ -12,7 +14,7 @@ from typing import List, Optional
 
 from returnn_tpu.errors import ConfigError
 
-USAGE = "usage: returnn-tpu CONFIG [++key value ...]"
+USAGE = "usage: returnn-tpu [--local-workers N] CONFIG [++key value ...]"
 
 
 def load_config(argv: List[str]):
@@ -49,17 +51,35 @@ def distribute_options_from_config(config):
     return DistributeOptions.from_config_values(strategy, options)
 
 
+MULTI_WORKER_STRATEGIES = ("local_sgd", "multi_worker_mirrored")
+
+
+def set_worker_log(config, worker_index: int):
+    """Non-chief workers log to ``<log>.worker<N>`` and print only errors and epoch results."""
+    logs = [f"{path}.worker{worker_index}" if path not in ("stdout", "|") else path for path in config.list("log", [])]
+    config.set("log", logs)
+    config.set("log_verbosity", min(config.int("log_verbosity", 3), 2))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
+    if argv and argv[0] == "--local-workers":
+        if len(argv) < 3 or not argv[1].isdigit() or int(argv[1]) < 1:
+            print(f"returnn-tpu: error: --local-workers needs a number >= 1 and a config; {USAGE}", file=sys.stderr)
+            return 2
+        from returnn_tpu.launcher import run_local_workers
+
+        return run_local_workers(int(argv[1]), argv[2:])
     try:
         from returnn_tpu.returnn_bridge import setup_returnn
 
         setup_returnn()
         config = load_config(argv)
         options = distribute_options_from_config(config)
+        from returnn_tpu.cluster import resolve_cluster
         from returnn_tpu.optimizers import optimizer_from_config
         from returnn_tpu.trainer import Trainer, check_supported
 
@@ -69,13 +89,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         from returnn_tpu.session_options import apply_session_options
 
         ignored = apply_session_options(config)
+        cluster = resolve_cluster(options.cluster_resolver) if options.strategy in MULTI_WORKER_STRATEGIES else None
+        if cluster and not cluster.is_chief:
+            set_worker_log(config, cluster.worker_index)
         for path in [config.value("model", "")] + config.list("log", []):
             if path and path not in ("stdout", "|"):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         log.init_by_config(config)
         for message in ignored:
             print(f"returnn-tpu: ignoring {message}", file=log.v3)
-        Trainer(config, options).train()
+        Trainer(config, options, cluster).train()
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2

@@ -337,7 +337,7 @@ class Trainer:
         stats.seconds = time.perf_counter() - start
         if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
             checkpoints.save(self.epoch_filename(epoch), self.model_state())
-        print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v3)
+        print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
         self._record_epoch(epoch, scores, dev_results, stats, learning_rate)
 

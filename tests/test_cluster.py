@@ -1,0 +1,59 @@
+"""Cluster resolvers: SGE environment, the port convention, and which resolver "auto" picks."""
+
+import json
+import socket
+
+import pytest
+
+from returnn_tpu.cluster import resolve_cluster
+from returnn_tpu.cluster.mpi import started_by_mpirun
+from returnn_tpu.cluster.sge import SGEJob, choose_port, conventional_port, port_is_free
+from returnn_tpu.errors import ConfigError
+
+
+def test_sge_environment(tmp_path):
+    hostfile = tmp_path / "pe_hostfile"
+    hostfile.write_text("node07.cluster 4 main.q@node07 UNDEFINED\nnode12.cluster 2 main.q@node12 UNDEFINED\n")
+    job = SGEJob.from_environ(
+        {"JOB_ID": "4711", "SGE_TASK_ID": "3", "NSLOTS": "6", "PE_HOSTFILE": str(hostfile)}
+    )
+    assert job == SGEJob(job_id=4711, task_id=3, num_slots=6, hosts=(("node07.cluster", 4), ("node12.cluster", 2)))
+    assert "SGE job 4711, array task 3, 6 slots (node07.cluster:4, node12.cluster:2)" == job.describe()
+    plain = SGEJob.from_environ({"JOB_ID": "12", "SGE_TASK_ID": "undefined"})
+    assert plain.task_id is None and plain.hosts == ()
+    assert SGEJob.from_environ({}) is None
+
+
+def test_port_convention_separates_jobs_tasks_and_local_ranks():
+    ports = {conventional_port(job, task, rank) for job in (1, 2, 4711) for task in (None, 1, 2) for rank in (0, 1, 2)}
+    assert len(ports) == 27
+    assert all(20000 <= p < 60000 for p in ports)
+    assert conventional_port(4711, None, 1) == conventional_port(4711, None, 0) + 1
+
+
+def test_taken_port_is_skipped():
+    first = conventional_port(4711, 2, 0)
+    while not port_is_free(first):
+        first += 1
+    with socket.socket() as taken:
+        taken.bind(("", first))
+        taken.listen()
+        assert not port_is_free(first)
+        chosen = choose_port(first)
+        assert chosen != first and port_is_free(chosen)
+    assert choose_port(first, attempt=1) >= first + 64  # re-agreement moves to another block
+
+
+def test_auto_resolver_choice(monkeypatch):
+    assert resolve_cluster("auto", {}).kind == "local"
+    tf_config = {"cluster": {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}, "task": {"type": "worker", "index": 1}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    cluster = resolve_cluster("auto", {"TF_CONFIG": json.dumps(tf_config)})
+    assert (cluster.kind, cluster.worker_index, cluster.num_workers, cluster.is_chief) == ("tf_config", 1, 2, False)
+    assert started_by_mpirun({"OMPI_COMM_WORLD_SIZE": "2"}) and started_by_mpirun({"PMI_SIZE": "2"})
+    assert not started_by_mpirun({"JOB_ID": "1"})
+
+
+def test_tf_config_without_cluster_is_an_error():
+    with pytest.raises(ConfigError, match="TF_CONFIG"):
+        resolve_cluster("tf_config", {"TF_CONFIG": "{}"})

@@ -1,0 +1,153 @@
+"""Several worker processes on 127.0.0.1: TF_CONFIG (the local launcher), mpirun, timeouts."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy
+import pytest
+
+from conftest import REPO, run_cli
+from returnn_tpu import checkpoints
+
+CONFIG = """#!returnn-tpu
+import json, os
+_worker = json.loads(os.environ.get("TF_CONFIG", "{{}}")).get("task", {{}}).get("index", 0)
+train = {{"class": "Task12AXDataset", "num_seqs": {num_seqs}}}
+dev = {{"class": "Task12AXDataset", "num_seqs": 20, "fixed_random_seed": 1}}
+num_inputs = 9
+num_outputs = 2
+batch_size = 300
+max_seqs = 5
+network = {{
+    "fw0": {{"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"}},
+    "output": {{"class": "softmax", "loss": "ce", "from": "fw0"}},
+}}
+optimizer = {{"class": "{optimizer}"}}
+learning_rate = {learning_rate}
+model = "out/model"
+learning_rate_file = "out/lr"
+num_epochs = {num_epochs}
+log_verbosity = 3
+distribute_strategy = "{strategy}"
+distribute_options = {options}
+"""
+
+OPTIMIZER_SLOTS = ("/Adam", "/Adam_1", "/Momentum")
+
+
+def write_config(path, *, strategy="local_sgd", num_seqs="60", num_epochs=2, optimizer="adam", learning_rate=0.01,
+                 options=None):
+    options = options or {"param_sync_step": 3, "startup_timeout": 120, "collective_timeout": 120}
+    path.write_text(CONFIG.format(strategy=strategy, num_seqs=num_seqs, num_epochs=num_epochs, optimizer=optimizer,
+                                  learning_rate=learning_rate, options=repr(options)))
+
+
+def checkpoint_params(prefix):
+    values = checkpoints.load(str(prefix))
+    return {k: v for k, v in values.items() if k != "global_step" and not k.endswith(OPTIMIZER_SLOTS)}
+
+
+def checkpoint_checksum(prefix):
+    return sum(float(numpy.abs(v.astype("float64")).sum()) for v in checkpoint_params(prefix).values())
+
+
+def checksums(output, epoch):
+    """{worker: checksum} from lines like "[worker 1] epoch 2: parameter checksum 12.5" (or mpirun's tags)."""
+    found = {}
+    for line in output.splitlines():
+        match = re.match(r"^\[(?:worker (\d+)|1,(\d+)\]<stdout>:)\]? ?epoch %d: parameter checksum (\S+)" % epoch, line)
+        if match:
+            found[int(match.group(1) or match.group(2))] = float(match.group(3))
+    return found
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_trained_and_in_sync(tmp_path, output, num_epochs=2):
+    sums = checksums(output, num_epochs)
+    assert sorted(sums) == [0, 1], output[-3000:]
+    expected = checkpoint_checksum(tmp_path / "out" / f"model.{num_epochs:03d}")
+    assert sums[0] == pytest.approx(expected, rel=1e-6) and sums[1] == pytest.approx(expected, rel=1e-6)
+    metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [m["epoch"] for m in metrics] == list(range(1, num_epochs + 1))  # the chief alone wrote it
+    assert all(m["num_workers"] == 2 and m["num_replicas"] == 2 for m in metrics)
+    assert metrics[-1]["dev_score"] < metrics[0]["dev_score"]
+
+
+def test_two_workers_local_sgd_via_tf_config(tmp_path):
+    write_config(tmp_path / "train.config")
+    result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_trained_and_in_sync(tmp_path, result.stdout)
+    assert not os.path.exists(tmp_path / "out" / "lr.worker1")
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
+def test_two_workers_local_sgd_via_mpirun(tmp_path):
+    write_config(tmp_path / "train.config", options={"param_sync_step": 3, "cluster_resolver": "mpi",
+                                                     "startup_timeout": 120})
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    result = subprocess.run(
+        ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
+         "train.config"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "MPI rank 0 of 2" in result.stdout
+    assert_trained_and_in_sync(tmp_path, result.stdout)
+
+
+def test_multi_worker_mirrored_equals_mirrored(tmp_path):
+    options = {"dataset_distribution": "shard", "startup_timeout": 120}
+    (tmp_path / "mw").mkdir()
+    write_config(tmp_path / "mw" / "train.config", strategy="multi_worker_mirrored", num_epochs=1,
+                 optimizer="sgd", learning_rate=0.5, options=options)
+    (tmp_path / "mirrored").mkdir()
+    write_config(tmp_path / "mirrored" / "train.config", strategy="mirrored", num_epochs=1, optimizer="sgd",
+                 learning_rate=0.5, options=dict(options, num_replicas=2))
+    multi = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path / "mw")
+    assert multi.returncode == 0, multi.stdout[-3000:]
+    local = run_cli(["train.config"], cwd=tmp_path / "mirrored")
+    assert local.returncode == 0, local.stderr[-3000:]
+    ours = checkpoint_params(tmp_path / "mw" / "out" / "model.001")
+    theirs = checkpoint_params(tmp_path / "mirrored" / "out" / "model.001")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        numpy.testing.assert_allclose(ours[name], theirs[name], atol=1e-5, rtol=0, err_msg=name)
+    steps = [m["steps"] for m in read_metrics(tmp_path / "mw" / "out" / "metrics.jsonl")]
+    assert steps[0] >= 3
+
+
+def test_workers_with_unequal_data_finish_the_epoch(tmp_path):
+    write_config(tmp_path / "train.config", num_seqs="40 if _worker == 0 else 90")
+    result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    steps = re.findall(r"\[worker (\d)\] epoch 1: (\d+) steps", result.stdout)
+    assert len(steps) == 2 and steps[0][1] == steps[1][1], steps  # both did the agreed number
+    assert_trained_and_in_sync(tmp_path, result.stdout)
+
+
+def test_missing_worker_is_named_within_the_timeout(tmp_path):
+    from returnn_tpu.launcher import free_local_ports
+
+    write_config(tmp_path / "train.config", options={"startup_timeout": 8})
+    ports = free_local_ports(2)
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}}
+    start = time.time()
+    result = run_cli(["train.config"], cwd=tmp_path, env={"TF_CONFIG": json.dumps(tf_config)}, timeout=120)
+    elapsed = time.time() - start
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert len(errors) == 1 and f"worker 1 (127.0.0.1:{ports[1]})" in errors[0], result.stderr[-2000:]
+    assert "startup_timeout" in errors[0]
+    assert elapsed < 8 + 30  # the timeout plus start-up of Python and TensorFlow
+    assert not os.path.exists(tmp_path / "out" / "model.001.index")
