@@ -55,11 +55,11 @@ class BatchingOptions:
         self.max_pad_size = config.typed_value("max_pad_size", None)
         self.shuffle_batches = config.bool("shuffle_batches", False)
 
-    def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool):
-        """RETURNN's batch set generator for ``dataset``'s current epoch."""
+    def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:
+        """RETURNN's batches for ``dataset``'s current epoch (a list of ``Batch``, no data loaded)."""
         import sys
 
-        return dataset.generate_batches(
+        batch_set = dataset.generate_batches(
             recurrent_net=recurrent,
             batch_size=self.batch_size,
             max_seqs=self.max_seqs,
@@ -69,6 +69,97 @@ class BatchingOptions:
             shuffle_batches=self.shuffle_batches and train,
             used_data_keys=used_data_keys,
         )
+        batches = []
+        while batch_set.has_more():
+            batches.extend(batch_set.peek_next_n(1))
+            batch_set.advance(1)
+        return batches
+
+    def pad(self, raw: Batch) -> Batch:
+        """RETURNN's batches keep their own shapes."""
+        return raw
+
+
+class BucketBatching(BatchingOptions):
+    """Static shapes for XLA: sequences grouped by length into buckets, batches padded to them.
+
+    A sequence (or chunk, with ``chunking``) goes to the smallest bucket boundary >= its length
+    in frames of ``key``; longer ones are dropped (and counted). A bucket of boundary ``L`` makes
+    batches of ``max(1, min(max_seqs, batch_size // L))`` sequences. Every batch is padded to its
+    bucket's length and sequence count; padded sequences have length 0 and padded frames lie past
+    each sequence's length, so RETURNN masks both. The step thus sees one shape per bucket.
+    Batches are emitted in the order of their first sequence (datasets load in increasing order).
+    """
+
+    def __init__(self, config, boundaries, key: str):
+        super().__init__(config)
+        if not isinstance(self.batch_size, int):
+            raise ConfigError(f"batch_size must be an int with bucketing, got {self.batch_size!r}")
+        self.boundaries = sorted(int(b) for b in boundaries)
+        self.key = key
+        self.dropped = 0  # sequences longer than the largest bucket, since the last reset
+        self.padded_frames = 0
+        self.total_frames = 0
+
+    def seqs_per_batch(self, boundary: int) -> int:
+        limit = self.max_seqs if self.max_seqs > 0 else 10**9
+        return max(1, min(limit, self.batch_size // boundary))
+
+    def bucket_of(self, length: int) -> Optional[int]:
+        return next((b for b in self.boundaries if length <= b), None)
+
+    def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:
+        from returnn.engine.batch import Batch as ReturnnBatch
+
+        pending: Dict[int, "ReturnnBatch"] = {}
+        batches = []
+        for seq_idx, t_start, t_end in dataset.iterate_seqs(recurrent_net=True, used_data_keys=used_data_keys):
+            length = t_end - t_start
+            bucket = self.bucket_of(length[self.key])
+            if bucket is None:
+                self.dropped += 1
+                continue
+            batch = pending.setdefault(bucket, ReturnnBatch())
+            batch.add_sequence_as_slice(seq_idx=seq_idx, seq_start_frame=t_start, length=length)
+            if batch.num_slices == self.seqs_per_batch(bucket):
+                batches.append(pending.pop(bucket))
+        batches.extend(pending.values())  # incomplete: padded with empty sequences
+        batches.sort(key=lambda b: b.start_seq)
+        return batches
+
+    def pad(self, raw: Batch) -> Batch:
+        lengths = raw[size_key(self.key, 0)]
+        bucket = self.bucket_of(int(lengths.max()))
+        num_seqs = self.seqs_per_batch(bucket)
+        self.total_frames += bucket * num_seqs
+        self.padded_frames += bucket * num_seqs - int(lengths.sum())
+        out = {}
+        for key, value in raw.items():
+            pad_width = [(0, num_seqs - value.shape[0])] + [(0, 0)] * (value.ndim - 1)
+            if not key.startswith("size:") and value.ndim >= 2 and size_key(key, 0) in raw:
+                pad_width[1] = (0, bucket - value.shape[1])  # the time axis
+            out[key] = numpy.pad(value, pad_width)
+        return out
+
+    def take_padding_fraction(self) -> float:
+        """Padded frames / all frames since the last call (logged per epoch)."""
+        fraction = self.padded_frames / self.total_frames if self.total_frames else 0.0
+        self.padded_frames = self.total_frames = 0
+        return fraction
+
+
+def default_bucket_boundaries(dataset, key: str, num_buckets: int = 4, max_seqs: int = 2000) -> List[int]:
+    """Bucket boundaries from the length statistics of (up to ``max_seqs`` of) ``dataset``:
+    the quantiles 1/n, 2/n, ..., 1 of the lengths of ``key``, rounded up to multiples of 8."""
+    dataset.init_seq_order(epoch=1)
+    lengths = []
+    for seq_idx, t_start, t_end in dataset.iterate_seqs(recurrent_net=True, used_data_keys=[key]):
+        lengths.append((t_end - t_start)[key])
+        if len(lengths) >= max_seqs:
+            break
+    dataset.finish_epoch()
+    quantiles = numpy.quantile(lengths, [(i + 1) / num_buckets for i in range(num_buckets)])
+    return sorted({int(-(-q // 8) * 8) for q in quantiles})
 
 
 def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 0, distribution: str = "shard") -> list:
@@ -126,7 +217,9 @@ class EpochBatches:
         epoch: int,
         extern_data,
         data_keys: Sequence[str],
-        make_batches: Callable,
+        batching: BatchingOptions,
+        recurrent: bool,
+        train: bool,
         slots: Optional[range] = None,
         num_slots: Optional[int] = None,
         pad_last: bool = False,
@@ -139,15 +232,13 @@ class EpochBatches:
         self.num_slots = num_slots or len(self.slots)
         self.pad_last = pad_last
         self.prefetch = prefetch
+        self.batching = batching
         self.batch_lists = []
         for dataset in self.datasets:
             dataset.init_seq_order(epoch=epoch)
-            batch_set = make_batches(dataset)
-            batches = []
-            while batch_set.has_more():
-                batches.extend(batch_set.peek_next_n(1))
-                batch_set.advance(1)
-            self.batch_lists.append(batches)
+            self.batch_lists.append(
+                batching.generate(dataset, recurrent=recurrent, used_data_keys=set(self.data_keys), train=train)
+            )
         if len(self.datasets) > 1:
             self.num_steps = min(len(batches) for batches in self.batch_lists)
         elif pad_last:
@@ -168,7 +259,7 @@ class EpochBatches:
             out[key] = raw[key]
             if f"{key}_seq_lens" in raw:
                 out[size_key(key, 0)] = raw[f"{key}_seq_lens"].astype("int32")
-        return out
+        return self.batching.pad(out)
 
     def _step(self, step: int):
         if len(self.datasets) > 1:

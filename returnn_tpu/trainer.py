@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy
 import tensorflow as tf
@@ -78,14 +78,25 @@ class EpochStats:
 
 
 class ScoreAccumulator:
-    """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores."""
+    """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores.
 
-    def __init__(self):
+    Steps add this worker's replicas' values (no communication per step); :meth:`combine`
+    adds up all workers' sums once, at the end of the epoch.
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy):
+        self.strategy = strategy
         self.sums: Dict[str, float] = {}
 
     def add(self, metrics: Dict[str, tf.Tensor]):
+        """Adds per-replica step metrics (see :func:`loss_metrics`), summed over local replicas."""
         for key, value in metrics.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            local = sum(float(v) for v in self.strategy.experimental_local_results(value))
+            self.sums[key] = self.sums.get(key, 0.0) + local
+
+    def combine(self, sum_over_workers: Callable[[List[float]], List[float]]):
+        keys = sorted(self.sums)
+        self.sums = dict(zip(keys, sum_over_workers([self.sums[k] for k in keys])))
 
     def _normalized(self, prefix: str) -> Dict[str, float]:
         out = {}
@@ -201,16 +212,15 @@ class Trainer:
     def _train_step_fn(self, batch, learning_rate):
         grads, metrics = self.strategy.run(self._replica_train, args=(batch,))
         grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
-        with tf.control_dependencies([self.optimizer.apply(self.strategy, grads_and_vars, learning_rate)]):
-            return {key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for key, v in metrics.items()}
+        self.optimizer.apply(self.strategy, grads_and_vars, learning_rate)  # runs: tf.function keeps stateful ops
+        return metrics
 
     def _replica_eval(self, batch, weight):
         net, _ = self.builder.build(batch, train=False, replica_id=static_replica_id())
         return {key: value * weight for key, value in loss_metrics(net).items()}
 
     def _eval_step_fn(self, batch, weight):
-        metrics = self.strategy.run(self._replica_eval, args=(batch, weight))
-        return {key: self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for key, v in metrics.items()}
+        return self.strategy.run(self._replica_eval, args=(batch, weight))
 
     def _sync_fn(self):
         self.strategy.sync(self.trainable_variables())
@@ -228,11 +238,18 @@ class Trainer:
 
     def all_workers(self, value: int) -> List[int]:
         """``value`` of every worker (one collective), in worker order; just ``[value]`` alone."""
+        return [int(row[0]) for row in self._gather_rows([float(value)])]
+
+    def sum_over_workers(self, values: List[float]) -> List[float]:
+        """Element-wise sums of ``values`` over all workers (one collective)."""
+        return [float(x) for x in numpy.sum(self._gather_rows(values), axis=0)]
+
+    def _gather_rows(self, values: List[float]) -> numpy.ndarray:
+        """One row of ``values`` per worker, gathered from all workers."""
         if self.cluster.num_workers == 1:
-            return [value]
-        per_replica = self._distribute([tf.constant([value], tf.int64)] * self.local_replicas)
-        gathered = self._gather_from_workers(per_replica).numpy().tolist()
-        return gathered[:: self.local_replicas]
+            return numpy.array([values], dtype=numpy.float64)
+        per_replica = self._distribute([tf.constant([values], tf.float64)] * self.local_replicas)
+        return self._gather_from_workers(per_replica).numpy()[:: self.local_replicas]
 
     # ---- model state --------------------------------------------------------------------------
 
@@ -275,9 +292,9 @@ class Trainer:
             epoch=epoch,
             extern_data=self.extern_data,
             data_keys=self.data_keys,
-            make_batches=lambda dataset: self.batching.generate(
-                dataset, recurrent=self.info.recurrent, used_data_keys=set(self.data_keys), train=train
-            ),
+            batching=self.batching,
+            recurrent=self.info.recurrent,
+            train=train,
             slots=None if own_copies else range(self.first_replica, self.first_replica + self.local_replicas),
             num_slots=None if own_copies else self.num_replicas,
             pad_last=not train,
@@ -310,7 +327,7 @@ class Trainer:
     def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None):
         """One training step on one batch per local replica, then a local-SGD sync if one is due.
 
-        Returns the step's summed metrics (see :func:`loss_metrics`).
+        Returns the step's per-replica metrics (see :func:`loss_metrics`).
         """
         if not self._built:
             self._build(step_batches, self._resume_epoch)
@@ -325,7 +342,7 @@ class Trainer:
         """One epoch: train steps with periodic syncs, final sync, checkpoint, dev scores, logs."""
         learning_rate = self.learning_rate_control.get_learning_rate_for_epoch(epoch)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
-        scores = ScoreAccumulator()
+        scores = ScoreAccumulator(self.strategy)
         stats = EpochStats()
         start = time.perf_counter()
         for step_batches, _ in self.epoch_batches(self.train_datasets, epoch, train=True):
@@ -335,6 +352,7 @@ class Trainer:
         if is_local_sgd(self.strategy) and self.sync_schedule.steps_since_sync:
             stats.add_sync(self.sync())
         stats.seconds = time.perf_counter() - start
+        scores.combine(self.sum_over_workers)
         if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
             checkpoints.save(self.epoch_filename(epoch), self.model_state())
         print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
@@ -348,10 +366,11 @@ class Trainer:
         """
         results = {}
         for dataset in self.dev_datasets:
-            scores = ScoreAccumulator()
+            scores = ScoreAccumulator(self.strategy)
             for step_batches, weights in self.epoch_batches([dataset], epoch, train=False):
                 weights = self._distribute([tf.constant(w, tf.float32) for w in weights])
                 scores.add(self._eval_step(self._distribute(step_batches), weights))
+            scores.combine(self.sum_over_workers)
             results[dataset.name] = {"score": scores.score(), "error": scores.error()}
         return results
 

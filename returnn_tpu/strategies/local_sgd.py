@@ -28,7 +28,19 @@ class LocalSGDExtendedMixin:
 
     Subclasses override :meth:`average_replica_values` to change how copies are combined
     (outer momentum, hierarchical or compressed averaging).
+
+    Two ways to run the algorithm, with the same semantics:
+
+    * cross-replica (``local_sgd`` on devices and workers): the step applies each replica's
+      gradients (:meth:`_batch_reduce_to` skips the reduction), the trainer calls
+      :meth:`sync_variables` between steps when a sync is due;
+    * inside the step (``local_sgd_tpu``; TPUs run one compiled program per step): each replica
+      applies its own gradients in replica context and :meth:`sync_in_replica` averages with a
+      cross-replica mean under ``tf.cond`` on a flag computed from the step counter, so all
+      replicas take the same branch.
     """
+
+    in_step_sync = False  # whether the sync runs inside the replica step (no merge_call)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         if value_destination_pairs and all(
@@ -50,6 +62,35 @@ class LocalSGDExtendedMixin:
         """
         pairs = [(value, value) for value in per_replica_values]
         return self.batch_reduce_to(tf.distribute.ReduceOp.MEAN, pairs)
+
+    def _use_merge_call(self):
+        # In-step sync all-reduces inside tf.cond, which merge_call cannot do; collectives can.
+        return not self.in_step_sync and super()._use_merge_call()
+
+    def _replica_ctx_update(self, var, fn, args, kwargs, group):
+        # Each replica updates its own copy, also where the base class would use merge_call.
+        replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+        replica_id = tf.get_static_value(replica_id)
+        if replica_id is None:  # e.g. TPU: the variable handle resolves to this replica's copy itself
+            return super()._replica_ctx_update(var, fn, args, kwargs, group)
+        local = var._get_replica(int(replica_id) - self._local_replica_offset())
+        with tf.device(local.device):
+            return fn(local, *args, **kwargs)
+
+    def _local_replica_offset(self) -> int:
+        return 0
+
+    def sync_in_replica(self, variables: Sequence[tf.Variable], due: tf.Tensor):
+        """In replica context: if ``due`` (the same on all replicas), average ``variables``."""
+        context = tf.distribute.get_replica_context()
+
+        def average():
+            means = context.all_reduce(tf.distribute.ReduceOp.MEAN, [tf.identity(v) for v in variables])
+            return tf.group(
+                [self.update(v, lambda local, mean: local.assign(mean), args=(m,)) for v, m in zip(variables, means)]
+            )
+
+        return tf.cond(due, average, tf.no_op)
 
     def sync_variables(self, variables: Sequence[tf.Variable]):
         """Replaces every replica's copy of each variable by the mean over all replicas.
@@ -94,8 +135,11 @@ class LocalSGDStrategy(tf.distribute.Strategy):
 
     _collective_key_base = 0  # read by MirroredExtended, as on MirroredStrategy
 
-    def __init__(self, devices=None, cross_device_ops=None):
-        super().__init__(LocalSGDExtended(self, devices=devices, cross_device_ops=cross_device_ops))
+    def __init__(self, devices=None, cross_device_ops=None, in_step_sync: bool = False):
+        """``in_step_sync``: run the sync inside the step, as ``local_sgd_tpu`` does on TPUs."""
+        extended = LocalSGDExtended(self, devices=devices, cross_device_ops=cross_device_ops)
+        extended.in_step_sync = in_step_sync
+        super().__init__(extended)
 
     def sync(self, variables: Sequence[tf.Variable]):
         """Averages ``variables`` over all replicas (cross-replica context)."""
