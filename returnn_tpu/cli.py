@@ -85,6 +85,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         check_supported(config)
         optimizer_from_config(config)  # validates the optimizer options before anything is written
+        if options.jit_compile:
+            from returnn_tpu.returnn_bridge import check_xla_compatible
+
+            check_xla_compatible(config.typed_value("network") or {})
         from returnn.log import log
         from returnn_tpu.session_options import apply_session_options
 

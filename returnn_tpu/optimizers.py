@@ -6,7 +6,8 @@ every replica's copy with TensorFlow's fused training kernels (``ResourceApply*`
 have XLA kernels. The update rules and defaults are those of the TF1 optimizers RETURNN creates:
 ``optimizer_epsilon`` defaults to 1e-16, ``momentum`` is read from the config, and the slot
 variables are named as TF1 names them (``<var>/Adam``, ``<var>/Adam_1``, ``<var>/Momentum``).
-Call :meth:`Optimizer.apply` in cross-replica context inside the training ``tf.function``.
+Call :meth:`Optimizer.apply` in cross-replica context inside the training ``tf.function``, or
+:meth:`Optimizer.apply_in_replica` inside ``strategy.run`` (TPU-style steps).
 """
 
 from __future__ import annotations
@@ -68,6 +69,20 @@ class Optimizer:
                 )
             )
         return tf.group(updates)
+
+    def apply_in_replica(
+        self,
+        strategy: tf.distribute.Strategy,
+        grads_and_vars: Sequence[Tuple[tf.Tensor, tf.Variable]],
+        learning_rate: tf.Tensor,
+    ) -> tf.Tensor:
+        """In replica context (TPU-style steps): applies the gradients as given (already averaged
+        for synchronous training) to this replica's copies. Returns the new step count."""
+        self._create_state(strategy, [v for _, v in grads_and_vars])
+        step = strategy.extended.update(self.step, lambda v: v.assign_add(1))
+        for grad, var in grads_and_vars:
+            strategy.extended.update(var, self._apply_dense, args=(grad, self.slots[var_name(var)], learning_rate, step))
+        return step
 
     def _apply_dense(self, var: tf.Variable, grad: tf.Tensor, slots: Mapping[str, tf.Variable], lr, step):
         return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=tf.cast(lr, var.dtype), delta=grad)

@@ -9,12 +9,13 @@ This module imports neither TensorFlow nor RETURNN.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 from returnn_tpu.errors import ConfigError
 
 STRATEGY_NAMES = ("single", "mirrored", "local_sgd", "multi_worker_mirrored", "tpu", "local_sgd_tpu")
 LOCAL_SGD_STRATEGY_NAMES = ("local_sgd", "local_sgd_tpu")
+TPU_STRATEGY_NAMES = ("tpu", "local_sgd_tpu")
 CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "tpu", "local")
 DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")
 DEFAULT_PARAM_SYNC_STEP = 100
@@ -50,7 +51,10 @@ class DistributeOptions:
         have passed since the last average.
     :ivar cluster_resolver: how the workers of a multi-machine run find each other.
     :ivar dataset_distribution: how the replicas split the data (see README, "What an epoch is").
-    :ivar jit_compile: compile the per-replica forward and backward pass with XLA.
+    :ivar jit_compile: compile the per-replica forward and backward pass with XLA (default: on
+        for TPU strategies, off elsewhere); sequences are then bucketed to static shapes.
+    :ivar bucket_boundaries: with ``jit_compile``, the bucket lengths (frames of the default
+        input); default: the quartiles of the training data's lengths.
     :ivar startup_timeout: seconds to wait for all workers of a multi-worker run to come up.
     :ivar collective_timeout: seconds any one all-reduce between workers may wait.
     :ivar sync_bucket_bytes: parameters are averaged in all-reduces of about this many bytes.
@@ -66,6 +70,7 @@ class DistributeOptions:
     startup_timeout: float = 300.0
     collective_timeout: float = 1800.0
     sync_bucket_bytes: int = 32 * 1024 * 1024
+    bucket_boundaries: Optional[Tuple[int, ...]] = None
 
     @classmethod
     def from_config_values(cls, strategy: Any, options: Optional[Mapping[str, Any]]) -> "DistributeOptions":
@@ -101,10 +106,21 @@ class DistributeOptions:
                 kwargs[key] = _positive_number(key, options[key])
         if "sync_bucket_bytes" in options:
             kwargs["sync_bucket_bytes"] = _positive_int("sync_bucket_bytes", options["sync_bucket_bytes"])
+        if options.get("bucket_boundaries") is not None:
+            boundaries = options["bucket_boundaries"]
+            if not isinstance(boundaries, (list, tuple)) or not boundaries or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in boundaries
+            ):
+                raise ConfigError(
+                    f"distribute_options['bucket_boundaries'] must be a list of ints >= 1, got {boundaries!r}"
+                )
+            kwargs["bucket_boundaries"] = tuple(sorted(boundaries))
         if "jit_compile" in options:
             if not isinstance(options["jit_compile"], bool):
                 raise ConfigError(f"distribute_options['jit_compile'] must be True or False, got {options['jit_compile']!r}")
             kwargs["jit_compile"] = options["jit_compile"]
+        else:
+            kwargs["jit_compile"] = strategy in TPU_STRATEGY_NAMES  # TPUs run XLA programs only
         if strategy == "single" and kwargs.get("num_replicas", 1) != 1:
             raise ConfigError("distribute_options['num_replicas'] must be 1 with distribute_strategy 'single'")
         return cls(**kwargs)

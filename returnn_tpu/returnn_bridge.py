@@ -111,6 +111,50 @@ def fresh_tf1_state() -> Iterator[None]:
             graph.get_collection_ref(key)[:] = saved[key]
 
 
+@contextlib.contextmanager
+def without_summaries() -> Iterator[None]:
+    """TF1 summary ops (RETURNN adds some for the loss) become no-ops: XLA has no kernel for them."""
+    summary = tf.compat.v1.summary
+    names = ("scalar", "histogram", "image", "audio", "text")
+    saved = {name: getattr(summary, name) for name in names}
+    for name in names:
+        setattr(summary, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(summary, name, function)
+
+
+def check_xla_compatible(net_dict: Mapping[str, dict], prefix: str = ""):
+    """Stops (ConfigError) on layers XLA cannot compile, naming the layer and the alternative.
+
+    ``rec`` units that are RETURNN native ops (``nativelstm2``, ``lstm``, ...) have no XLA kernel;
+    a ``rec`` subnetwork (a dict unit) loops over dynamically sized TensorArrays, which XLA refuses.
+    """
+    from returnn.tf.layers.rec import RecLayer
+    from returnn.tf.native_op import RecSeqCellOp
+
+    for name, opts in net_dict.items():
+        if not isinstance(opts, dict):
+            continue
+        if opts.get("class") == "rec":
+            unit = opts.get("unit", "lstm")
+            if isinstance(unit, dict):
+                raise ConfigError(
+                    f"layer {prefix + name!r}: a rec subnetwork (dict unit) cannot be compiled by XLA "
+                    "(dynamically sized TensorArrays); use distribute_options['jit_compile'] = False"
+                )
+            cell_class = RecLayer.get_rnn_cell_class(unit) if isinstance(unit, str) else None
+            if cell_class is not None and issubclass(cell_class, RecSeqCellOp):
+                raise ConfigError(
+                    f"layer {prefix + name!r}: rec unit {unit!r} is a native op without an XLA kernel; "
+                    "with jit_compile use unit 'standardlstm'"
+                )
+        if isinstance(opts.get("subnetwork"), dict):
+            check_xla_compatible(opts["subnetwork"], prefix=f"{prefix}{name}/")
+
+
 def size_key(data_key: str, axis: int) -> str:
     """Key of the sequence lengths of ``data_key``'s dynamic ``axis`` (without batch) in a batch dict."""
     return f"size:{data_key}:{axis}"
@@ -131,7 +175,13 @@ def extern_data_template(config, *, placeholders: bool = False):
     from returnn.tf.network import ExternData
 
     extern_data = ExternData()
-    extern_data.init_from_config(config, auto_create_placeholders=placeholders)
+    if placeholders:
+        extern_data.init_from_config(config, auto_create_placeholders=True)
+    else:
+        # init_from_config creates a batch-dim placeholder when no input is set yet; keep it out of
+        # the trace (XLA cannot compile it). The caller sets the inputs and the real batch dim.
+        with tf.Graph().as_default():
+            extern_data.init_from_config(config, auto_create_placeholders=False)
     for key, data in extern_data.data.items():
         if len(data.get_dynamic_axes()) > 1:
             raise ConfigError(f"extern_data[{key!r}] has more than one dynamic axis, which is not supported yet")
@@ -190,7 +240,7 @@ class NetworkBuilder:
                 for axis, dim in enumerate(data.shape)
                 if dim is None
             }
-        # init_from_config made a batch-dim placeholder (nothing was set yet); use the real one.
+        # The batch dim of extern_data_template is a stand-in; use the real one.
         first_input = next(d for d in extern_data.data.values() if d.placeholder is not None and d.have_batch_axis())
         extern_data.get_batch_info().dim = tf.shape(first_input.placeholder)[first_input.batch_dim_axis]
         extern_data.init_batch_info()

@@ -21,12 +21,18 @@ import tensorflow as tf
 
 from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
-from returnn_tpu.data import BatchingOptions, EpochBatches, init_datasets
+from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import clip_gradients, optimizer_from_config, var_name
 from returnn_tpu.options import DistributeOptions
-from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id
-from returnn_tpu.strategies import is_local_sgd, make_strategy
+from returnn_tpu.returnn_bridge import (
+    NetworkBuilder,
+    check_xla_compatible,
+    loss_metrics,
+    static_replica_id,
+    without_summaries,
+)
+from returnn_tpu.strategies import is_local_sgd, make_strategy, syncs_in_step
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -154,12 +160,18 @@ class Trainer:
         self.optimizer = optimizer_from_config(config)
         self.info = self.builder.inspect()
         self.extern_data = self.info.extern_data
-        self.batching = BatchingOptions(config)
         self.train_datasets = init_datasets(
             config, "train", self.local_replicas, self.first_replica, options.dataset_distribution
         )
         if not self.train_datasets:
             raise ConfigError("config option 'train' (the training dataset) is missing")
+        self.eval_batching = BatchingOptions(config)
+        self.batching = self.eval_batching
+        if options.jit_compile:
+            check_xla_compatible(self.builder.net_dict)
+            key = self.extern_data.default_input
+            boundaries = options.bucket_boundaries or default_bucket_boundaries(self.train_datasets[0], key)
+            self.batching = BucketBatching(config, boundaries, key)
         self.dev_datasets = init_datasets(config, "dev")
         self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
         self.model_filename = config.value("model", None)
@@ -171,7 +183,22 @@ class Trainer:
         self.clip_global_norm = config.float("gradient_clip_global_norm", 0.0)
         self.learning_rate_control = self._learning_rate_control()
         self.sync_schedule = SyncSchedule(options.param_sync_step, options.param_sync_time_diff)
-        self._train_step = tf.function(self._train_step_fn, autograph=False, reduce_retracing=True)
+        self.in_step = syncs_in_step(self.strategy)
+        if self.in_step and options.param_sync_time_diff:
+            raise ConfigError(
+                f"distribute_options['param_sync_time_diff'] cannot be used with {options.strategy!r} "
+                "(the sync is decided inside the compiled step); use param_sync_step"
+            )
+        # With XLA, one trace (and compilation) per bucket shape; else one trace for all shapes.
+        self._train_step = tf.function(
+            self._train_step_in_replica_fn if self.in_step else self._train_step_fn,
+            autograph=False,
+            reduce_retracing=not options.jit_compile,
+        )
+        self._jit_forward_backward = (
+            tf.function(self._forward_backward_xla, autograph=False, jit_compile=True) if options.jit_compile else None
+        )
+        self.compiled_shapes = set()  # input shapes the XLA replica step was compiled for
         self._eval_step = tf.function(self._eval_step_fn, autograph=False, reduce_retracing=True)
         self._sync = tf.function(self._sync_fn, autograph=False)
         self._gather_from_workers = tf.function(self._gather_fn, autograph=False)
@@ -197,8 +224,19 @@ class Trainer:
         return [self.builder.variables.by_name[name] for name in self._trainable_names]
 
     def _replica_train(self, batch):
+        """One replica's gradients (clipped) and metrics, compiled by XLA with ``jit_compile``."""
+        if self._jit_forward_backward is not None:
+            return self._jit_forward_backward(batch, static_replica_id())
+        return self._forward_backward(batch, static_replica_id())
+
+    def _forward_backward_xla(self, batch, replica_id: int):
+        self.compiled_shapes.add(tuple(sorted((k, tuple(v.shape)) for k, v in batch.items())))
+        with without_summaries():  # summary ops have no XLA kernel (DESIGN.md fact 13)
+            return self._forward_backward(batch, replica_id)
+
+    def _forward_backward(self, batch, replica_id: int):
         with tf.GradientTape() as tape:
-            net, params = self.builder.build(batch, train=True, replica_id=static_replica_id())
+            net, params = self.builder.build(batch, train=True, replica_id=replica_id)
             objective = net.get_objective()
         names = [name for name, _ in params]
         grads = tape.gradient(objective, [var for _, var in params])
@@ -215,6 +253,24 @@ class Trainer:
         self.optimizer.apply(self.strategy, grads_and_vars, learning_rate)  # runs: tf.function keeps stateful ops
         return metrics
 
+    def _train_step_in_replica_fn(self, batch, learning_rate):
+        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate))
+
+    def _replica_train_and_apply(self, batch, learning_rate):
+        """The TPU-style step: gradients, update and (for local SGD) the due sync, all per replica."""
+        grads, metrics = self._replica_train(batch)
+        names = sorted(grads)
+        grad_list = [grads[name] for name in names]
+        local_sgd = is_local_sgd(self.strategy)
+        if not local_sgd:
+            grad_list = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, grad_list)
+        variables = [self.builder.variables.by_name[name] for name in names]
+        step = self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), learning_rate)
+        due = tf.equal(tf.math.floormod(step, self.options.param_sync_step), 0)
+        if local_sgd:
+            self.strategy.extended.sync_in_replica(variables, due)
+        return metrics, due
+
     def _replica_eval(self, batch, weight):
         net, _ = self.builder.build(batch, train=False, replica_id=static_replica_id())
         return {key: value * weight for key, value in loss_metrics(net).items()}
@@ -223,7 +279,10 @@ class Trainer:
         return self.strategy.run(self._replica_eval, args=(batch, weight))
 
     def _sync_fn(self):
-        self.strategy.sync(self.trainable_variables())
+        if self.in_step:
+            self.strategy.run(lambda: self.strategy.extended.sync_in_replica(self.trainable_variables(), tf.constant(True)))
+        else:
+            self.strategy.sync(self.trainable_variables())
 
     def _gather_fn(self, value):
         return self.strategy.gather(value, axis=0)
@@ -292,7 +351,7 @@ class Trainer:
             epoch=epoch,
             extern_data=self.extern_data,
             data_keys=self.data_keys,
-            batching=self.batching,
+            batching=self.batching if train else self.eval_batching,
             recurrent=self.info.recurrent,
             train=train,
             slots=None if own_copies else range(self.first_replica, self.first_replica + self.local_replicas),
@@ -331,11 +390,19 @@ class Trainer:
         """
         if not self._built:
             self._build(step_batches, self._resume_epoch)
-        metrics = self._train_step(self._distribute(step_batches), tf.constant(learning_rate, tf.float32))
+        outputs = self._train_step(self._distribute(step_batches), tf.constant(learning_rate, tf.float32))
+        metrics, synced_in_step = outputs if self.in_step else (outputs, None)
         stats = stats or EpochStats()
         stats.steps += 1
-        if is_local_sgd(self.strategy) and self.sync_schedule.step_done():
-            stats.add_sync(self.sync())
+        if is_local_sgd(self.strategy):
+            if synced_in_step is None:
+                if self.sync_schedule.step_done():
+                    stats.add_sync(self.sync())
+            elif bool(self.strategy.experimental_local_results(synced_in_step)[0]):  # the step synced itself
+                stats.syncs += 1
+                self.sync_schedule.synced()
+            else:
+                self.sync_schedule.steps_since_sync += 1
         return metrics
 
     def train_epoch(self, epoch: int):
@@ -383,6 +450,17 @@ class Trainer:
             total += float(tf.reduce_sum(tf.abs(tf.cast(first_copy, tf.float64))))
         return total
 
+    def _xla_report(self) -> Optional[dict]:
+        """Per-epoch XLA figures (compiled shapes so far, padding, dropped sequences), or None."""
+        if not isinstance(self.batching, BucketBatching):
+            return None
+        dropped, self.batching.dropped = self.batching.dropped, 0
+        return {
+            "xla_compiled_shapes": len(self.compiled_shapes),
+            "padding_fraction": round(self.batching.take_padding_fraction(), 4),
+            "dropped_seqs": dropped,
+        }
+
     def _record_epoch(self, epoch, scores, dev_results, stats: "EpochStats", learning_rate):
         train_score, train_error = scores.score(), scores.error()
         lrc = self.learning_rate_control
@@ -404,6 +482,14 @@ class Trainer:
             f"{stats.syncs} syncs, {stats.sync_seconds:.3f} s in sync",
             file=self.log.v2,
         )
+        xla = self._xla_report()
+        if xla:
+            print(
+                f"epoch {epoch}: XLA: {xla['xla_compiled_shapes']} step shapes compiled (buckets "
+                f"{list(self.batching.boundaries)}), {100 * xla['padding_fraction']:.1f}% of frames are padding, "
+                f"{xla['dropped_seqs']} sequences longer than the largest bucket dropped",
+                file=self.log.v2,
+            )
         if not self.cluster.is_chief:
             return  # the chief alone writes the learning-rate file and metrics
         lrc.save()
@@ -420,6 +506,8 @@ class Trainer:
             "syncs": stats.syncs,
             "sync_seconds": round(stats.sync_seconds, 4),
         }
+        if xla:
+            record.update(xla)
         for name, result in dev_results.items():
             record[f"{name}_score"] = _single_or_dict(result["score"])
             record[f"{name}_error"] = _single_or_dict(result["error"])

@@ -16,6 +16,7 @@ from returnn_tpu.options import DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy
+from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, make_tpu_strategy
 
 __all__ = [
     "make_strategy",
@@ -23,6 +24,8 @@ __all__ = [
     "LocalSGDStrategy",
     "MultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",
+    "LocalSGDTPUStrategy",
+    "syncs_in_step",
     "local_replica_devices",
 ]
 
@@ -59,6 +62,12 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
             bucket_bytes=options.sync_bucket_bytes,
             startup_timeout=options.startup_timeout,
         )
+    if options.strategy in ("tpu", "local_sgd_tpu"):
+        if options.strategy == "local_sgd_tpu" and options.cluster_resolver == "local":
+            # The TPU program's in-step sync, on local devices: to run the TPU path without a TPU.
+            devices = local_replica_devices(options.num_replicas)
+            return _with_own_collective_keys(LocalSGDStrategy, devices, in_step_sync=True)
+        return make_tpu_strategy(options.strategy)
     devices = local_replica_devices(options.num_replicas)
     if options.strategy == "single":
         return tf.distribute.OneDeviceStrategy(devices[0])
@@ -66,12 +75,15 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
         return _with_own_collective_keys(tf.distribute.MirroredStrategy, devices)
     if options.strategy == "local_sgd":
         return _with_own_collective_keys(LocalSGDStrategy, devices)
-    raise ConfigError(
-        f"distribute_strategy {options.strategy!r} is not implemented yet; "
-        "use 'single', 'mirrored', 'local_sgd' or 'multi_worker_mirrored'"
-    )
+    raise AssertionError(f"unhandled distribute_strategy {options.strategy!r}")  # options.py validated it
 
 
 def is_local_sgd(strategy: tf.distribute.Strategy) -> bool:
-    """Whether the replicas of ``strategy`` keep their own parameters until an explicit sync."""
+    """Whether the replicas of ``strategy`` keep their own parameters until a sync."""
     return isinstance(strategy.extended, LocalSGDExtendedMixin)
+
+
+def syncs_in_step(strategy: tf.distribute.Strategy) -> bool:
+    """Whether the whole step, updates and local-SGD sync included, runs in replica context
+    (TPU strategies, and ``local_sgd_tpu`` on local devices)."""
+    return isinstance(strategy, tf.distribute.TPUStrategy) or getattr(strategy.extended, "in_step_sync", False)

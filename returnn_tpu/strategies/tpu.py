@@ -1,0 +1,72 @@
+"""Cloud TPU strategies: ``"tpu"`` (TensorFlow's synchronous ``TPUStrategy``) and ``"local_sgd_tpu"``.
+
+TPUs run one XLA program per step and replicate only through ``strategy.run`` with the inputs
+as arguments, so ``local_sgd_tpu`` runs the whole local-SGD step inside that program: each core
+applies its own gradients to its own copy, and the periodic average is a cross-replica mean
+under ``tf.cond`` on the step counter (see :class:`LocalSGDExtendedMixin`, whose code it shares
+with ``local_sgd``).
+
+Not run on a real TPU yet (none was available): what a CPU can show is tested (the error when
+no TPU is found; the in-step sync logic, with ``LocalSGDStrategy(in_step_sync=True)``).
+"""
+
+from __future__ import annotations
+
+import glob
+from typing import Optional
+
+import tensorflow as tf
+from tensorflow.python.distribute import tpu_strategy
+
+from returnn_tpu.errors import ConfigError
+from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
+
+
+def find_tpu(strategy_name: str, tpu: Optional[str] = None):
+    """A connected, initialised ``TPUClusterResolver``, or a ConfigError saying what was tried.
+
+    Tried in order: ``tpu`` if given; the environment (``TPU_NAME``; Colab's ``COLAB_TPU_ADDR``);
+    ``tpu="local"`` on a TPU VM (one with ``/dev/accel*`` or ``/dev/vfio`` devices).
+    """
+    tried = []
+    resolver = None
+    candidates = [tpu] if tpu else [None, "local"]
+    for candidate in candidates:
+        if candidate == "local" and not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+            tried.append("tpu='local' (no /dev/accel* or /dev/vfio devices: not a TPU VM)")
+            continue
+        try:
+            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=candidate)
+            break
+        except (ValueError, RuntimeError) as exc:
+            env = "TPU_NAME/COLAB_TPU_ADDR environment" if candidate is None else f"tpu={candidate!r}"
+            tried.append(f"{env} ({exc})")
+    if resolver is None:
+        raise ConfigError(f"distribute_strategy {strategy_name!r}: no TPU found; tried {'; '.join(tried)}")
+    if resolver.master():  # a remote TPU (Colab, a named TPU): connect to its host
+        tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return resolver
+
+
+class LocalSGDTPUExtended(LocalSGDExtendedMixin, tpu_strategy.TPUExtended):
+    """Local SGD on TPU cores; the sync always runs inside the compiled step."""
+
+    in_step_sync = True
+
+
+class LocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
+    """Local SGD on the cores of a TPU: each core trains its own copy, averaged every N steps."""
+
+    def __init__(self, resolver):
+        tf.distribute.Strategy.__init__(self, LocalSGDTPUExtended(self, resolver))  # skip TPUStrategyV2.__init__
+
+    sync = LocalSGDStrategy.sync
+
+
+def make_tpu_strategy(name: str) -> tf.distribute.Strategy:
+    """``"tpu"`` or ``"local_sgd_tpu"`` on the TPU that :func:`find_tpu` finds."""
+    resolver = find_tpu(name)
+    if name == "tpu":
+        return tf.distribute.TPUStrategy(resolver)
+    return LocalSGDTPUStrategy(resolver)
