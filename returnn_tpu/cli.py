@@ -96,8 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         cluster = resolve_cluster(options.cluster_resolver) if options.strategy in MULTI_WORKER_STRATEGIES else None
         if cluster and not cluster.is_chief:
             set_worker_log(config, cluster.worker_index)
-        for path in [config.value("model", "")] + config.list("log", []):
-            if path and path not in ("stdout", "|"):
+        for path in config.list("log", []):
+            if path not in ("stdout", "|"):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         log.init_by_config(config)
         for message in ignored:

@@ -37,8 +37,10 @@ class Optimizer:
             state["global_step"] = self.step  # RETURNN's name; its loader requires it
         return state
 
-    def _create_state(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]):
-        with tf.init_scope(), strategy.scope():
+    def create_state(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]):
+        """Creates the step counter and the slots of ``variables`` (cross-replica context, once,
+        before the first step is traced)."""
+        with strategy.scope():
             if self.step is None:
                 self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
             for var in variables:
@@ -57,7 +59,6 @@ class Optimizer:
         learning_rate: tf.Tensor,
     ):
         """Reduces the per-replica gradients as the strategy defines, then updates all copies."""
-        self._create_state(strategy, [v for _, v in grads_and_vars])
         reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, list(grads_and_vars))
         step = self.step.assign_add(1)
         updates = []
@@ -78,7 +79,6 @@ class Optimizer:
     ) -> tf.Tensor:
         """In replica context (TPU-style steps): applies the gradients as given (already averaged
         for synchronous training) to this replica's copies. Returns the new step count."""
-        self._create_state(strategy, [v for _, v in grads_and_vars])
         step = strategy.extended.update(self.step, lambda v: v.assign_add(1))
         for grad, var in grads_and_vars:
             strategy.extended.update(var, self._apply_dense, args=(grad, self.slots[var_name(var)], learning_rate, step))

@@ -319,8 +319,13 @@ class Trainer:
         return state
 
     def _build(self, first_step: List, resume_epoch: int):
-        """Creates all variables by tracing the train step; restores the checkpoint when resuming."""
-        self._train_step.get_concrete_function(self._distribute(first_step), tf.constant(0.0))
+        """Creates all variables (parameters by tracing the forward/backward pass, then the
+        optimizer state) and traces the train step; restores the checkpoint when resuming."""
+        batches = self._distribute(first_step)
+        create_parameters = tf.function(lambda b: self.strategy.run(self._replica_train, args=(b,)), autograph=False)
+        create_parameters.get_concrete_function(batches)
+        self.optimizer.create_state(self.strategy, self.trainable_variables())
+        self._train_step.get_concrete_function(batches, tf.constant(0.0))
         self._built = True
         if resume_epoch:
             filename = self.epoch_filename(resume_epoch)
@@ -371,6 +376,8 @@ class Trainer:
                 "`model` must be on a file system all workers share"
             )
         print(f"returnn-tpu: cluster: {self.cluster.description}", file=self.log.v2)
+        if self.cluster.is_chief:
+            os.makedirs(os.path.dirname(os.path.abspath(self.model_filename)), exist_ok=True)
         if start_epoch > self.num_epochs:
             print(f"nothing to do: model for epoch {self.num_epochs} exists", file=self.log.v1)
             return

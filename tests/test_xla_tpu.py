@@ -1,0 +1,135 @@
+"""XLA-compiled replica steps, static shapes by bucketing, and the TPU path as far as a CPU shows it."""
+
+import json
+
+import numpy
+import pytest
+import tensorflow as tf
+
+from conftest import make_trainer, random_step_batches, replica_values, run_cli
+from test_bridge import LAYER_NETWORKS
+
+DETERMINISTIC = ["linear", "conv", "self_attention", "layer_norm", "standardlstm"]
+
+
+def _losses(trainer, steps, seed):
+    """Training losses on one fixed batch (so that they fall)."""
+    batches = random_step_batches(numpy.random.RandomState(seed), trainer.local_replicas, time=9)
+    losses = []
+    for _ in range(steps):
+        metrics = trainer.train_step(batches, 0.05)
+        total = {k: sum(float(x) for x in trainer.strategy.experimental_local_results(v)) for k, v in metrics.items()}
+        losses.append(total["cost:output"] / total["frames:output"])
+    return losses
+
+
+def _same_start(reference, other, rng):
+    """Builds both trainers' variables and gives ``other`` the parameters of ``reference``."""
+    first = random_step_batches(rng, reference.local_replicas, time=9)
+    reference._build(first, 0)
+    other._build(first, 0)
+    for name, var in other.builder.variables.by_name.items():
+        var.assign(reference.builder.variables.by_name[name])
+
+
+@pytest.mark.parametrize("layer", DETERMINISTIC + ["dropout"])
+def test_compiled_step_trains_like_the_plain_step(tmp_path, layer):
+    plain = make_trainer(tmp_path / "plain", LAYER_NETWORKS[layer], strategy="single", num_replicas=1)
+    jit = make_trainer(tmp_path / "jit", LAYER_NETWORKS[layer], strategy="single", num_replicas=1,
+                       distribute_options={"jit_compile": True, "bucket_boundaries": [16]})
+    _same_start(plain, jit, numpy.random.RandomState(0))
+    expected, got = _losses(plain, 6, seed=5), _losses(jit, 6, seed=5)
+    assert len(jit.compiled_shapes) == 1  # one shape, compiled once
+    assert got[-1] < got[0]
+    if layer == "dropout":  # XLA draws other random numbers: same start, same trend, not the same masks
+        assert got[0] == pytest.approx(expected[0], rel=0.2)
+    else:
+        numpy.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_one_compilation_per_bucket(tmp_path):
+    trainer = make_trainer(
+        tmp_path, LAYER_NETWORKS["standardlstm"], strategy="single", num_replicas=1,
+        train={"class": "Task12AXDataset", "num_seqs": 60}, batch_size=400, max_seqs=6,
+        distribute_options={"jit_compile": True, "bucket_boundaries": [20, 40, 80, 120]},
+    )
+    shapes, steps = set(), 0
+    for step_batches, _ in trainer.epoch_batches(trainer.train_datasets, 1, train=True):
+        trainer.train_step(step_batches, 0.01)
+        shapes.add(step_batches[0]["data"].shape)
+        steps += 1
+    assert {shape[1] for shape in shapes} <= {20, 40, 80, 120}
+    assert len(trainer.compiled_shapes) == len(shapes) and steps > 2 * len(shapes)
+
+
+def test_padding_is_masked(tmp_path, rng):
+    from returnn_tpu.data import BucketBatching
+
+    trainer = make_trainer(tmp_path, LAYER_NETWORKS["standardlstm"], strategy="single", num_replicas=1)
+    (batch,) = random_step_batches(rng, 1, batch=3, time=9)
+    bucketing = BucketBatching(trainer.config, [16], "data")
+    bucketing.batch_size, bucketing.max_seqs = 80, 5  # pad to 5 sequences of 16 frames
+    padded = bucketing.pad(batch)
+    assert padded["data"].shape == (5, 16, 9) and list(padded["size:data:0"][3:]) == [0, 0]
+
+    def loss(b):
+        metrics = trainer._eval_step(b, tf.constant(1.0))
+        return float(metrics["cost:output"]) / float(metrics["frames:output"]), float(metrics["frames:output"])
+
+    assert loss(padded) == pytest.approx(loss(batch), rel=1e-5)
+
+
+def test_local_sgd_tpu_step_logic_equals_local_sgd(tmp_path):
+    """The in-step sync (step-counter branch, cross-replica mean) on logical CPU devices."""
+    options = {"param_sync_step": 3}
+    network = LAYER_NETWORKS["linear"]
+    host = make_trainer(tmp_path / "host", network, optimizer={"class": "adam"}, learning_rate=0.01,
+                        distribute_options=options)
+    in_step = make_trainer(tmp_path / "in_step", network, strategy="local_sgd_tpu", optimizer={"class": "adam"},
+                           learning_rate=0.01, distribute_options=dict(options, cluster_resolver="local",
+                                                                       jit_compile=False))
+    assert in_step.in_step and not host.in_step
+    _same_start(host, in_step, numpy.random.RandomState(1))
+    rng_a, rng_b = numpy.random.RandomState(7), numpy.random.RandomState(7)
+    for step in range(1, 8):
+        host.train_step(random_step_batches(rng_a, 2, time=9), 0.01)
+        in_step.train_step(random_step_batches(rng_b, 2, time=9), 0.01)
+        for name, var in host.builder.variables.by_name.items():
+            ours = replica_values(in_step.strategy, in_step.builder.variables.by_name[name])
+            theirs = replica_values(host.strategy, var)
+            for a, b in zip(ours, theirs):
+                numpy.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"{name} after step {step}")
+        w = replica_values(in_step.strategy, in_step.builder.variables.by_name["l/W"])
+        assert (numpy.abs(w[0] - w[1]).max() == 0) == (step % 3 == 0)
+
+
+NATIVE_LSTM_CONFIG = """#!returnn-tpu
+train = {"class": "Task12AXDataset", "num_seqs": 10}
+num_inputs = 9
+num_outputs = 2
+network = {"fw0": {"class": "rec", "unit": "nativelstm2", "n_out": 8, "from": "data"},
+           "output": {"class": "softmax", "loss": "ce", "from": "fw0"}}
+model = "out/model"
+"""
+
+
+@pytest.mark.parametrize(
+    "strategy,options,expected",
+    [
+        ("local_sgd", {"jit_compile": True}, "layer 'fw0': rec unit 'nativelstm2'"),
+        ("tpu", {}, "no TPU found"),
+        ("local_sgd_tpu", {}, "no TPU found"),
+    ],
+    ids=["nativelstm2_with_xla", "tpu_without_tpu", "local_sgd_tpu_without_tpu"],
+)
+def test_clear_error_before_training(tmp_path, strategy, options, expected):
+    config = NATIVE_LSTM_CONFIG if "nativelstm2" in expected else NATIVE_LSTM_CONFIG.replace("nativelstm2", "standardlstm")
+    (tmp_path / "train.config").write_text(
+        config + f"distribute_strategy = {strategy!r}\ndistribute_options = {options!r}\n"
+    )
+    result = run_cli(["train.config"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.config"]
