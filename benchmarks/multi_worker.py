@@ -5,6 +5,9 @@ same synthetic batches by
   * one worker alone ("single"); twice its samples/s is the no-communication limit of two workers,
   * two workers with ``local_sgd`` and ``param_sync_step`` 1, 10 and 100,
   * two workers with ``multi_worker_mirrored`` (a gradient all-reduce every step),
+"Two independent workers at once" (no cluster, no communication, sharing the machine) shows
+what the machine itself costs when two processes run side by side.
+
 Each worker uses one thread (one core of a 2-core machine), so that twice the samples/s of one
 worker alone is a limit two workers can reach without communication. Also measured: the time
 of one bucketed parameter sync is compared with one raw all-reduce of a single
@@ -103,7 +106,7 @@ def worker_main(args):
 def measure_sync(trainer, tf):
     """Median seconds of one bucketed parameter sync and of one raw all-reduce of as many bytes."""
     strategy = trainer.strategy
-    variables = trainer.trainable_variables()
+    variables = trainer.steps.trainable_variables()
     num_floats = sum(int(v.shape.num_elements()) for v in variables)
     with strategy.scope():
         flat = tf.Variable(tf.zeros([num_floats]))
@@ -127,7 +130,9 @@ def measure_sync(trainer, tf):
     return {"sync_seconds": statistics.median(sync_times[2:]), "raw_all_reduce_seconds": statistics.median(raw_times[2:])}
 
 
-def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=False):
+def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=False, independent=False):
+    """Runs ``num_workers`` processes (one cluster, or ``independent`` ones); returns worker 0's result,
+    with ``samples_per_second`` summed over the processes when they are independent."""
     from returnn_tpu.launcher import free_local_ports
 
     ports = free_local_ports(num_workers)
@@ -135,7 +140,7 @@ def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=
     with tempfile.TemporaryDirectory() as model_dir:
         for index in range(num_workers):
             env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
-            if num_workers > 1:
+            if num_workers > 1 and not independent:
                 env["TF_CONFIG"] = json.dumps(
                     {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
                 )
@@ -145,10 +150,12 @@ def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=
                 cmd.append("--measure-sync")
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
         outputs = [proc.communicate(timeout=1800)[0] for proc in procs]
-    for line in outputs[0].splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{strategy} x{num_workers} gave no result:\n{outputs[0][-2000:]}")
+    results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
+    if not results:
+        raise RuntimeError(f"{strategy} x{num_workers} gave no result:\n{outputs[0][-2000:]}")
+    if independent:
+        results[0]["samples_per_second"] = sum(r["samples_per_second"] for r in results)
+    return results[0]
 
 
 def main():
@@ -169,6 +176,8 @@ def main():
           f"{args.steps} steps, 2 workers on 127.0.0.1")
     print(f"{'setting':32s} {'samples/s':>10s} {'of no-comm limit':>17s}")
     print(f"{'one worker alone, x2 (limit)':32s} {limit:10.1f} {1.0:17.3f}")
+    both = run_setting("single", 2, args.steps, args.hidden, independent=True)["samples_per_second"]
+    print(f"{'two independent workers at once':32s} {both:10.1f} {both / limit:17.3f}")
     for sync_step in (1, 10, 100):
         result = run_setting("local_sgd", 2, args.steps, args.hidden, sync_step, measure_sync=sync_step == 100)
         print(f"{'local_sgd, param_sync_step ' + str(sync_step):32s} {result['samples_per_second']:10.1f} "

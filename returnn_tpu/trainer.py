@@ -1,11 +1,9 @@
 """The training loop: epochs, steps, local-SGD syncs, learning-rate control, checkpoints, dev scores.
 
-One path for every strategy: a ``tf.function`` step calls ``strategy.run`` on the per-replica
-forward/backward pass (the RETURNN network is built inside that trace, see
-:mod:`returnn_tpu.returnn_bridge`) and then applies the gradients in cross-replica context
-(:mod:`returnn_tpu.optimizers`). For local SGD, the replicas' parameters are averaged every
-``param_sync_step`` steps (or ``param_sync_time_diff`` seconds), and always before a checkpoint
-and before dev evaluation, so both see the averaged model.
+The compiled step functions are in :mod:`returnn_tpu.steps`; this module decides when they run.
+For local SGD, the replicas' parameters are averaged every ``param_sync_step`` steps (or
+``param_sync_time_diff`` seconds), and always before a checkpoint and before dev evaluation, so
+both see the averaged model. With several workers, worker 0 (the chief) alone writes files.
 """
 
 from __future__ import annotations
@@ -23,16 +21,11 @@ from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.optimizers import clip_gradients, optimizer_from_config, var_name
+from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
-from returnn_tpu.returnn_bridge import (
-    NetworkBuilder,
-    check_xla_compatible,
-    loss_metrics,
-    static_replica_id,
-    without_summaries,
-)
-from returnn_tpu.strategies import is_local_sgd, make_strategy, syncs_in_step
+from returnn_tpu.returnn_bridge import NetworkBuilder, check_xla_compatible
+from returnn_tpu.steps import ReplicaSteps
+from returnn_tpu.strategies import is_local_sgd, make_strategy
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -49,20 +42,35 @@ UNSUPPORTED_TRAINING_OPTIONS = {
 
 
 class SyncSchedule:
-    """When local SGD averages: every ``param_sync_step`` steps, or every ``time_diff`` seconds."""
+    """When local SGD averages: every ``param_sync_step`` steps, or every ``time_diff`` seconds.
 
-    def __init__(self, param_sync_step: int, time_diff: Optional[float]):
+    Workers must sync at the same step. Step counts agree by construction; clocks do not, so
+    with ``time_diff`` the workers decide together every ``time_check_steps`` steps
+    (``any_worker``: one small collective): due as soon as one worker's time is up.
+    """
+
+    def __init__(
+        self,
+        param_sync_step: int,
+        time_diff: Optional[float],
+        any_worker: Callable[[bool], bool],
+        time_check_steps: int = 1,
+    ):
         self.param_sync_step = param_sync_step
         self.time_diff = time_diff
+        self.any_worker = any_worker
+        self.time_check_steps = time_check_steps
         self.steps_since_sync = 0
         self.last_sync_time = time.monotonic()
 
     def step_done(self) -> bool:
-        """Counts one step; returns whether a sync is due now."""
+        """Counts one step; returns whether a sync is due now (the same answer on every worker)."""
         self.steps_since_sync += 1
-        if self.time_diff is not None:
-            return time.monotonic() - self.last_sync_time >= self.time_diff
-        return self.steps_since_sync >= self.param_sync_step
+        if self.time_diff is None:
+            return self.steps_since_sync >= self.param_sync_step
+        if self.steps_since_sync % self.time_check_steps:
+            return False
+        return self.any_worker(time.monotonic() - self.last_sync_time >= self.time_diff)
 
     def synced(self):
         self.steps_since_sync = 0
@@ -179,29 +187,28 @@ class Trainer:
             raise ConfigError("config option 'model' (where checkpoints go) is missing")
         self.num_epochs = config.int("num_epochs", 5)
         self.save_interval = config.int("save_interval", 1)
-        self.clip_value = config.float("gradient_clip", 0.0)
-        self.clip_global_norm = config.float("gradient_clip_global_norm", 0.0)
         self.learning_rate_control = self._learning_rate_control()
-        self.sync_schedule = SyncSchedule(options.param_sync_step, options.param_sync_time_diff)
-        self.in_step = syncs_in_step(self.strategy)
-        if self.in_step and options.param_sync_time_diff:
+        self.sync_schedule = SyncSchedule(
+            options.param_sync_step,
+            options.param_sync_time_diff,
+            any_worker=lambda flag: self.sum_over_workers([float(flag)])[0] > 0,
+            time_check_steps=1 if self.cluster.num_workers == 1 else 10,
+        )
+        self.steps = ReplicaSteps(
+            self.strategy,
+            self.builder,
+            self.optimizer,
+            jit_compile=options.jit_compile,
+            param_sync_step=options.param_sync_step,
+            clip_value=config.float("gradient_clip", 0.0),
+            clip_global_norm=config.float("gradient_clip_global_norm", 0.0),
+            first_replica=self.first_replica,
+        )
+        if self.steps.in_step and options.param_sync_time_diff:
             raise ConfigError(
                 f"distribute_options['param_sync_time_diff'] cannot be used with {options.strategy!r} "
                 "(the sync is decided inside the compiled step); use param_sync_step"
             )
-        # With XLA, one trace (and compilation) per bucket shape; else one trace for all shapes.
-        self._train_step = tf.function(
-            self._train_step_in_replica_fn if self.in_step else self._train_step_fn,
-            autograph=False,
-            reduce_retracing=not options.jit_compile,
-        )
-        self._jit_forward_backward = (
-            tf.function(self._forward_backward_xla, autograph=False, jit_compile=True) if options.jit_compile else None
-        )
-        self.compiled_shapes = set()  # input shapes the XLA replica step was compiled for
-        self._eval_step = tf.function(self._eval_step_fn, autograph=False, reduce_retracing=True)
-        self._sync = tf.function(self._sync_fn, autograph=False)
-        self._gather_from_workers = tf.function(self._gather_fn, autograph=False)
         self._built = False
         self._resume_epoch = 0  # the checkpoint to restore when the variables are created
 
@@ -218,97 +225,16 @@ class Trainer:
 
         return EngineBase.get_train_start_epoch(self.config)
 
-    # ---- step functions -----------------------------------------------------------------------
-
-    def trainable_variables(self) -> List[tf.Variable]:
-        return [self.builder.variables.by_name[name] for name in self._trainable_names]
-
-    def _replica_train(self, batch):
-        """One replica's gradients (clipped) and metrics, compiled by XLA with ``jit_compile``."""
-        if self._jit_forward_backward is not None:
-            return self._jit_forward_backward(batch, static_replica_id())
-        return self._forward_backward(batch, static_replica_id())
-
-    def _forward_backward_xla(self, batch, replica_id: int):
-        self.compiled_shapes.add(tuple(sorted((k, tuple(v.shape)) for k, v in batch.items())))
-        with without_summaries():  # summary ops have no XLA kernel (DESIGN.md fact 13)
-            return self._forward_backward(batch, replica_id)
-
-    def _forward_backward(self, batch, replica_id: int):
-        with tf.GradientTape() as tape:
-            net, params = self.builder.build(batch, train=True, replica_id=replica_id)
-            objective = net.get_objective()
-        names = [name for name, _ in params]
-        grads = tape.gradient(objective, [var for _, var in params])
-        missing = [name for name, grad in zip(names, grads) if grad is None]
-        if missing:
-            raise ConfigError(f"parameters {missing} get no gradient from the loss; check the network")
-        grads = clip_gradients(grads, self.clip_value, self.clip_global_norm)
-        self._trainable_names = names
-        return dict(zip(names, grads)), loss_metrics(net)
-
-    def _train_step_fn(self, batch, learning_rate):
-        grads, metrics = self.strategy.run(self._replica_train, args=(batch,))
-        grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
-        self.optimizer.apply(self.strategy, grads_and_vars, learning_rate)  # runs: tf.function keeps stateful ops
-        return metrics
-
-    def _train_step_in_replica_fn(self, batch, learning_rate):
-        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate))
-
-    def _replica_train_and_apply(self, batch, learning_rate):
-        """The TPU-style step: gradients, update and (for local SGD) the due sync, all per replica."""
-        grads, metrics = self._replica_train(batch)
-        names = sorted(grads)
-        grad_list = [grads[name] for name in names]
-        local_sgd = is_local_sgd(self.strategy)
-        if not local_sgd:
-            grad_list = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, grad_list)
-        variables = [self.builder.variables.by_name[name] for name in names]
-        step = self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), learning_rate)
-        due = tf.equal(tf.math.floormod(step, self.options.param_sync_step), 0)
-        if local_sgd:
-            self.strategy.extended.sync_in_replica(variables, due)
-        return metrics, due
-
-    def _replica_eval(self, batch, weight):
-        net, _ = self.builder.build(batch, train=False, replica_id=static_replica_id())
-        return {key: value * weight for key, value in loss_metrics(net).items()}
-
-    def _eval_step_fn(self, batch, weight):
-        return self.strategy.run(self._replica_eval, args=(batch, weight))
-
-    def _sync_fn(self):
-        if self.in_step:
-            self.strategy.run(lambda: self.strategy.extended.sync_in_replica(self.trainable_variables(), tf.constant(True)))
-        else:
-            self.strategy.sync(self.trainable_variables())
-
-    def _gather_fn(self, value):
-        return self.strategy.gather(value, axis=0)
-
-    def _distribute(self, per_replica: List):
-        """One value per local replica -> the strategy's per-replica value."""
-        if self.num_replicas == 1:
-            return per_replica[0]
-        return self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: per_replica[ctx.replica_id_in_sync_group - self.first_replica]
-        )
+    # ---- collectives between workers ---------------------------------------------------------
 
     def all_workers(self, value: int) -> List[int]:
         """``value`` of every worker (one collective), in worker order; just ``[value]`` alone."""
-        return [int(row[0]) for row in self._gather_rows([float(value)])]
+        return [int(row[0]) for row in self.steps.gather_rows([float(value)], self.cluster.num_workers)]
 
     def sum_over_workers(self, values: List[float]) -> List[float]:
         """Element-wise sums of ``values`` over all workers (one collective)."""
-        return [float(x) for x in numpy.sum(self._gather_rows(values), axis=0)]
-
-    def _gather_rows(self, values: List[float]) -> numpy.ndarray:
-        """One row of ``values`` per worker, gathered from all workers."""
-        if self.cluster.num_workers == 1:
-            return numpy.array([values], dtype=numpy.float64)
-        per_replica = self._distribute([tf.constant([values], tf.float64)] * self.local_replicas)
-        return self._gather_from_workers(per_replica).numpy()[:: self.local_replicas]
+        rows = self.steps.gather_rows(values, self.cluster.num_workers)
+        return [float(x) for x in numpy.sum(rows, axis=0)]
 
     # ---- model state --------------------------------------------------------------------------
 
@@ -319,13 +245,8 @@ class Trainer:
         return state
 
     def _build(self, first_step: List, resume_epoch: int):
-        """Creates all variables (parameters by tracing the forward/backward pass, then the
-        optimizer state) and traces the train step; restores the checkpoint when resuming."""
-        batches = self._distribute(first_step)
-        create_parameters = tf.function(lambda b: self.strategy.run(self._replica_train, args=(b,)), autograph=False)
-        create_parameters.get_concrete_function(batches)
-        self.optimizer.create_state(self.strategy, self.trainable_variables())
-        self._train_step.get_concrete_function(batches, tf.constant(0.0))
+        """Creates all variables and traces the train step; restores the checkpoint when resuming."""
+        self.steps.create_variables(first_step)
         self._built = True
         if resume_epoch:
             filename = self.epoch_filename(resume_epoch)
@@ -342,7 +263,7 @@ class Trainer:
     def sync(self) -> float:
         """Averages the replicas' parameters (local SGD only); returns the seconds it took."""
         start = time.perf_counter()
-        self._sync()
+        self.steps.sync()
         self.sync_schedule.synced()
         return time.perf_counter() - start
 
@@ -397,15 +318,14 @@ class Trainer:
         """
         if not self._built:
             self._build(step_batches, self._resume_epoch)
-        outputs = self._train_step(self._distribute(step_batches), tf.constant(learning_rate, tf.float32))
-        metrics, synced_in_step = outputs if self.in_step else (outputs, None)
+        metrics, synced_in_step = self.steps.train(step_batches, learning_rate)
         stats = stats or EpochStats()
         stats.steps += 1
         if is_local_sgd(self.strategy):
             if synced_in_step is None:
                 if self.sync_schedule.step_done():
                     stats.add_sync(self.sync())
-            elif bool(self.strategy.experimental_local_results(synced_in_step)[0]):  # the step synced itself
+            elif synced_in_step:  # the step synced itself
                 stats.syncs += 1
                 self.sync_schedule.synced()
             else:
@@ -442,8 +362,7 @@ class Trainer:
         for dataset in self.dev_datasets:
             scores = ScoreAccumulator(self.strategy)
             for step_batches, weights in self.epoch_batches([dataset], epoch, train=False):
-                weights = self._distribute([tf.constant(w, tf.float32) for w in weights])
-                scores.add(self._eval_step(self._distribute(step_batches), weights))
+                scores.add(self.steps.evaluate(step_batches, weights))
             scores.combine(self.sum_over_workers)
             results[dataset.name] = {"score": scores.score(), "error": scores.error()}
         return results
@@ -463,7 +382,7 @@ class Trainer:
             return None
         dropped, self.batching.dropped = self.batching.dropped, 0
         return {
-            "xla_compiled_shapes": len(self.compiled_shapes),
+            "xla_compiled_shapes": len(self.steps.compiled_shapes),
             "padding_fraction": round(self.batching.take_padding_fraction(), 4),
             "dropped_seqs": dropped,
         }

@@ -43,9 +43,7 @@ LAYER_NETWORKS = {
 @pytest.mark.parametrize("layer", sorted(LAYER_NETWORKS))
 def test_every_parameter_gets_a_gradient(tmp_path, rng, layer):
     trainer = make_trainer(tmp_path, LAYER_NETWORKS[layer], strategy="mirrored", num_replicas=2)
-    batches = trainer._distribute(random_step_batches(rng, 2))
-    replica_gradients = tf.function(lambda b: trainer.strategy.run(trainer._replica_train, args=(b,)), autograph=False)
-    grads, _ = replica_gradients(batches)
+    grads, _ = trainer.steps.replica_gradients(trainer.steps.distribute(random_step_batches(rng, 2)))
     expected_layers = set(LAYER_NETWORKS[layer]) - {"l"} if layer == "dropout" else set(LAYER_NETWORKS[layer])
     assert {name.split("/")[0] for name in grads} == expected_layers
     for name, grad in grads.items():
@@ -82,6 +80,6 @@ def test_replicas_drop_different_units(tmp_path):
 
         return trainer.strategy.run(replica, args=(batch,))
 
-    masks = [m.numpy() for m in trainer.strategy.experimental_local_results(dropout_masks(trainer._distribute([ones, ones])))]
+    masks = [m.numpy() for m in trainer.strategy.experimental_local_results(dropout_masks(trainer.steps.distribute([ones, ones])))]
     assert 0.3 < masks[0].mean() < 0.7 and 0.3 < masks[1].mean() < 0.7
     assert (masks[0] != masks[1]).mean() > 0.3

@@ -35,7 +35,7 @@ def test_checkpoint_loads_in_plain_returnn(tmp_path, rng):
 
         return trainer.strategy.run(replica, args=(b,))
 
-    ours = trainer.strategy.experimental_local_results(forward(trainer._distribute([batch, batch])))[0].numpy()
+    ours = trainer.strategy.experimental_local_results(forward(trainer.steps.distribute([batch, batch])))[0].numpy()
 
     with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
         net = TFNetwork(config=trainer.config, train_flag=False, eval_flag=False)

@@ -82,11 +82,16 @@ def assert_trained_and_in_sync(tmp_path, output, num_epochs=2):
     assert metrics[-1]["dev_score"] < metrics[0]["dev_score"]
 
 
-def test_two_workers_local_sgd_via_tf_config(tmp_path):
-    write_config(tmp_path / "train.config")
+@pytest.mark.parametrize(
+    "schedule", [{"param_sync_step": 3}, {"param_sync_time_diff": 0.05}], ids=["sync_step", "sync_time_diff"]
+)
+def test_two_workers_local_sgd_via_tf_config(tmp_path, schedule):
+    write_config(tmp_path / "train.config", num_seqs="200",  # > 20 steps: workers agree on time every 10
+                 options=dict(schedule, startup_timeout=120, collective_timeout=120))
     result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_trained_and_in_sync(tmp_path, result.stdout)
+    assert all(m["syncs"] >= 2 for m in read_metrics(tmp_path / "out" / "metrics.jsonl"))  # not just the final one
     assert not os.path.exists(tmp_path / "out" / "lr.worker1")
 
 

@@ -26,8 +26,8 @@ def _losses(trainer, steps, seed):
 def _same_start(reference, other, rng):
     """Builds both trainers' variables and gives ``other`` the parameters of ``reference``."""
     first = random_step_batches(rng, reference.local_replicas, time=9)
-    reference._build(first, 0)
-    other._build(first, 0)
+    reference.steps.create_variables(first)
+    other.steps.create_variables(first)
     for name, var in other.builder.variables.by_name.items():
         var.assign(reference.builder.variables.by_name[name])
 
@@ -39,7 +39,7 @@ def test_compiled_step_trains_like_the_plain_step(tmp_path, layer):
                        distribute_options={"jit_compile": True, "bucket_boundaries": [16]})
     _same_start(plain, jit, numpy.random.RandomState(0))
     expected, got = _losses(plain, 6, seed=5), _losses(jit, 6, seed=5)
-    assert len(jit.compiled_shapes) == 1  # one shape, compiled once
+    assert len(jit.steps.compiled_shapes) == 1  # one shape, compiled once
     assert got[-1] < got[0]
     if layer == "dropout":  # XLA draws other random numbers: same start, same trend, not the same masks
         assert got[0] == pytest.approx(expected[0], rel=0.2)
@@ -59,7 +59,7 @@ def test_one_compilation_per_bucket(tmp_path):
         shapes.add(step_batches[0]["data"].shape)
         steps += 1
     assert {shape[1] for shape in shapes} <= {20, 40, 80, 120}
-    assert len(trainer.compiled_shapes) == len(shapes) and steps > 2 * len(shapes)
+    assert len(trainer.steps.compiled_shapes) == len(shapes) and steps > 2 * len(shapes)
 
 
 def test_padding_is_masked(tmp_path, rng):
@@ -73,7 +73,7 @@ def test_padding_is_masked(tmp_path, rng):
     assert padded["data"].shape == (5, 16, 9) and list(padded["size:data:0"][3:]) == [0, 0]
 
     def loss(b):
-        metrics = trainer._eval_step(b, tf.constant(1.0))
+        metrics = trainer.steps.evaluate([b], [1.0])
         return float(metrics["cost:output"]) / float(metrics["frames:output"]), float(metrics["frames:output"])
 
     assert loss(padded) == pytest.approx(loss(batch), rel=1e-5)
@@ -88,7 +88,7 @@ def test_local_sgd_tpu_step_logic_equals_local_sgd(tmp_path):
     in_step = make_trainer(tmp_path / "in_step", network, strategy="local_sgd_tpu", optimizer={"class": "adam"},
                            learning_rate=0.01, distribute_options=dict(options, cluster_resolver="local",
                                                                        jit_compile=False))
-    assert in_step.in_step and not host.in_step
+    assert in_step.steps.in_step and not host.steps.in_step
     _same_start(host, in_step, numpy.random.RandomState(1))
     rng_a, rng_b = numpy.random.RandomState(7), numpy.random.RandomState(7)
     for step in range(1, 8):

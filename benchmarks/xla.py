@@ -1,0 +1,155 @@
+"""XLA (``jit_compile``) against the plain step, on CPU, measured in one process.
+
+1. Step time at bucketed shapes (16 sequences x 32 and x 64 frames, 256 units) for a
+   feed-forward, a self-attention and a ``standardlstm`` network, with and without
+   ``jit_compile`` (same batches, alternating rounds, median ratio), plus the compile time
+   (first step of a shape minus a steady step) and the compilations per bucket.
+2. End to end: one epoch of the 12AX task (a few hundred steps, bucketed) with the
+   ``standardlstm`` network, compilation included, with and without ``jit_compile``.
+
+    python benchmarks/xla.py [--rounds 5] [--steps 20] [--epoch-seqs 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy  # noqa: E402
+
+from returnn_tpu.returnn_bridge import setup_returnn  # noqa: E402
+
+UNITS, SEQS, BUCKETS, FEATURES = 256, 16, (32, 64), 9
+
+NETWORKS = {
+    "feed_forward": {
+        "h1": {"class": "linear", "activation": "relu", "n_out": UNITS, "from": "data"},
+        "h2": {"class": "linear", "activation": "relu", "n_out": UNITS, "from": "h1"},
+        "output": {"class": "softmax", "loss": "ce", "from": "h2"},
+    },
+    "self_attention": {
+        "in": {"class": "linear", "activation": None, "n_out": UNITS, "from": "data"},
+        "att": {"class": "self_attention", "num_heads": 4, "total_key_dim": UNITS, "n_out": UNITS, "from": "in"},
+        "output": {"class": "softmax", "loss": "ce", "from": "att"},
+    },
+    "standardlstm": {
+        "lstm": {"class": "rec", "unit": "standardlstm", "n_out": UNITS, "from": "data"},
+        "output": {"class": "softmax", "loss": "ce", "from": "lstm"},
+    },
+}
+
+
+def make_trainer(network, jit: bool, model_dir: str, boundaries=BUCKETS, **config_values):
+    from returnn.config import Config, set_global_config
+
+    from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.trainer import Trainer
+
+    values = {
+        "task": "train",
+        "train": {"class": "Task12AXDataset", "num_seqs": 10},
+        "extern_data": {"data": {"dim": FEATURES}, "classes": {"dim": 2, "sparse": True}},
+        "network": network,
+        "optimizer": {"class": "adam"},
+        "learning_rate": 0.001,
+        "model": os.path.join(model_dir, "jit" if jit else "plain", "model"),
+        "log": [],
+        "log_verbosity": 0,
+        **config_values,
+    }
+    config = Config(values)
+    set_global_config(config)
+    options = DistributeOptions(strategy="single", jit_compile=jit, bucket_boundaries=boundaries)
+    trainer = Trainer(config, options)
+    if not jit:  # the same bucketed batches as the XLA run
+        from returnn_tpu.data import BucketBatching
+
+        trainer.batching = BucketBatching(config, boundaries, "data")
+    return trainer
+
+
+def bucket_batches(rng, count):
+    """``count`` batches per bucket, full length (the padded shapes the bucketing batcher makes)."""
+    batches = []
+    for frames in BUCKETS:
+        lengths = numpy.full((SEQS,), frames, "int32")
+        for _ in range(count):
+            batches.append({
+                "data": rng.randn(SEQS, frames, FEATURES).astype("float32"),
+                "size:data:0": lengths,
+                "classes": rng.randint(0, 2, (SEQS, frames)).astype("int32"),
+                "size:classes:0": lengths,
+            })
+    return batches
+
+
+def timed(trainer, batches):
+    times = []
+    for batch in batches:
+        start = time.perf_counter()
+        trainer.train_step([batch], 0.001)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def step_times(name, rounds, steps, model_dir):
+    batches = bucket_batches(numpy.random.RandomState(0), steps)
+    trainers = {jit: make_trainer(NETWORKS[name], jit, os.path.join(model_dir, name)) for jit in (False, True)}
+    first = {}
+    for jit, trainer in trainers.items():  # first step per bucket: trace (+ XLA compile)
+        trainer.train_step([batches[0]], 0.001)  # builds variables
+        first[jit] = [timed(trainer, [batches[i * steps]])[0] for i in range(len(BUCKETS))]
+    times = {False: [], True: []}
+    for _ in range(rounds):
+        for jit, trainer in trainers.items():
+            times[jit] += timed(trainer, batches)
+    plain, jitted = statistics.median(times[False]), statistics.median(times[True])
+    compile_seconds = statistics.median(first[True]) - jitted
+    per_bucket = len(trainers[True].steps.compiled_shapes) / len(BUCKETS)
+    return plain, jitted, compile_seconds, per_bucket
+
+
+def epoch_time(jit: bool, num_seqs: int, model_dir: str):
+    trainer = make_trainer(
+        NETWORKS["standardlstm"], jit, os.path.join(model_dir, "epoch"), boundaries=BUCKETS + (128,),
+        train={"class": "Task12AXDataset", "num_seqs": num_seqs}, batch_size=800, max_seqs=16,
+    )
+    start = time.perf_counter()
+    steps = 0
+    for step_batches, _ in trainer.epoch_batches(trainer.train_datasets, 1, train=True):
+        trainer.train_step(step_batches, 0.001)
+        steps += 1
+    return time.perf_counter() - start, steps, len(trainer.steps.compiled_shapes)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="steps per bucket per round")
+    parser.add_argument("--epoch-seqs", type=int, default=2000)
+    args = parser.parse_args()
+    setup_returnn()
+    with tempfile.TemporaryDirectory() as model_dir:
+        print(f"step time, {SEQS} seqs x {BUCKETS} frames, {UNITS} units, {args.rounds} rounds x "
+              f"{args.steps} steps per bucket")
+        print(f"{'network':16s} {'plain ms':>9s} {'xla ms':>8s} {'xla/plain':>10s} {'compile s':>10s} "
+              f"{'compiles/bucket':>16s}")
+        for name in NETWORKS:
+            plain, jitted, compile_seconds, per_bucket = step_times(name, args.rounds, args.steps, model_dir)
+            print(f"{name:16s} {plain * 1000:9.2f} {jitted * 1000:8.2f} {jitted / plain:10.3f} "
+                  f"{compile_seconds:10.2f} {per_bucket:16.1f}")
+        plain_epoch, steps, _ = epoch_time(False, args.epoch_seqs, model_dir)
+        jit_epoch, _, compiled = epoch_time(True, args.epoch_seqs, model_dir)
+        print(f"epoch of {steps} steps (standardlstm, 12AX, buckets {BUCKETS + (128,)}): plain {plain_epoch:.1f} s, "
+              f"xla {jit_epoch:.1f} s incl. {compiled} compilations, ratio {jit_epoch / plain_epoch:.3f}")
+
+
+if __name__ == "__main__":
+    main()
