@@ -73,25 +73,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         from returnn_tpu.launcher import run_local_workers
 
         return run_local_workers(int(argv[1]), argv[2:])
-    try:
-        from returnn_tpu.returnn_bridge import setup_returnn
+    from returnn.log import log
 
+    from returnn_tpu.cluster import resolve_cluster
+    from returnn_tpu.optimizers import optimizer_from_config
+    from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
+    from returnn_tpu.session_options import apply_session_options
+    from returnn_tpu.trainer import Trainer, check_supported
+
+    try:
         setup_returnn()
         config = load_config(argv)
+        # Everything that can be checked is checked before anything is written.
         options = distribute_options_from_config(config)
-        from returnn_tpu.cluster import resolve_cluster
-        from returnn_tpu.optimizers import optimizer_from_config
-        from returnn_tpu.trainer import Trainer, check_supported
-
         check_supported(config)
-        optimizer_from_config(config)  # validates the optimizer options before anything is written
+        optimizer_from_config(config)
         if options.jit_compile:
-            from returnn_tpu.returnn_bridge import check_xla_compatible
-
             check_xla_compatible(config.typed_value("network") or {})
-        from returnn.log import log
-        from returnn_tpu.session_options import apply_session_options
-
         ignored = apply_session_options(config)
         cluster = resolve_cluster(options.cluster_resolver) if options.strategy in MULTI_WORKER_STRATEGIES else None
         if cluster and not cluster.is_chief:

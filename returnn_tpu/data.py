@@ -20,6 +20,9 @@ With several workers, all of them do the same number of steps in an epoch: the s
 number any of them has (agreed once at the start of the epoch), so none waits in a collective
 for a worker that has run out of data.
 
+With ``jit_compile``, :class:`BucketBatching` replaces RETURNN's batch generation for training:
+sequences grouped by length into buckets, batches padded to static shapes (one per bucket).
+
 No ``tf.data.Dataset.from_generator`` (DESIGN.md fact 18): batches are NumPy arrays handed to
 the step function directly.
 """
@@ -27,6 +30,7 @@ the step function directly.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -57,8 +61,6 @@ class BatchingOptions:
 
     def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:
         """RETURNN's batches for ``dataset``'s current epoch (a list of ``Batch``, no data loaded)."""
-        import sys
-
         batch_set = dataset.generate_batches(
             recurrent_net=recurrent,
             batch_size=self.batch_size,

@@ -65,20 +65,8 @@ class LocalSGDExtendedMixin:
 
     def _use_merge_call(self):
         # In-step sync all-reduces inside tf.cond, which merge_call cannot do; collectives can.
+        # Without merge_call, updates in replica context go to the replica's own copy.
         return not self.in_step_sync and super()._use_merge_call()
-
-    def _replica_ctx_update(self, var, fn, args, kwargs, group):
-        # Each replica updates its own copy, also where the base class would use merge_call.
-        replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
-        replica_id = tf.get_static_value(replica_id)
-        if replica_id is None:  # e.g. TPU: the variable handle resolves to this replica's copy itself
-            return super()._replica_ctx_update(var, fn, args, kwargs, group)
-        local = var._get_replica(int(replica_id) - self._local_replica_offset())
-        with tf.device(local.device):
-            return fn(local, *args, **kwargs)
-
-    def _local_replica_offset(self) -> int:
-        return 0
 
     def sync_in_replica(self, variables: Sequence[tf.Variable], due: tf.Tensor):
         """In replica context: if ``due`` (the same on all replicas), average ``variables``."""
