@@ -156,3 +156,29 @@ def test_missing_worker_is_named_within_the_timeout(tmp_path):
     assert "startup_timeout" in errors[0]
     assert elapsed < 8 + 30  # the timeout plus start-up of Python and TensorFlow
     assert not os.path.exists(tmp_path / "out" / "model.001.index")
+
+
+def test_worker_dying_during_training_is_named(tmp_path):
+    from returnn_tpu.launcher import free_local_ports
+
+    write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=50,
+                 options={"param_sync_step": 3, "startup_timeout": 120, "collective_timeout": 60})
+    ports = free_local_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = []
+    for index in range(2):
+        env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+                   TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config"], cwd=tmp_path,
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    deadline = time.time() + 300
+    while not os.path.exists(tmp_path / "out" / "model.001.index"):  # training is under way
+        assert procs[0].poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    procs[1].kill()
+    killed = time.time()
+    _, stderr = procs[0].communicate(timeout=120)
+    assert procs[0].returncode == 1
+    assert time.time() - killed < 90  # far below a hang, bounded by collective_timeout
+    errors = [line for line in stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert len(errors) == 1 and f"lost worker 1 (127.0.0.1:{ports[1]})" in errors[0], stderr[-2000:]

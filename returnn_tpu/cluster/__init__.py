@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional
 
 import tensorflow as tf
 
@@ -35,6 +35,19 @@ class Cluster:
     def is_chief(self) -> bool:
         """Worker 0 writes checkpoints, the learning-rate file, metrics and the main log."""
         return self.worker_index == 0
+
+    def workers_named_in(self, text: str) -> List[str]:
+        """The other workers that ``text`` (e.g. a TensorFlow error) mentions, as ``"worker 1 (host:port)"``."""
+        if self.resolver is None:
+            return []
+        spec = self.resolver.cluster_spec()
+        named = []
+        for job in spec.jobs:
+            for task_id, address in enumerate(spec.job_tasks(job)):
+                own = (job, task_id) == (self.resolver.task_type, self.resolver.task_id)
+                if not own and (address in text or f"/job:{job}/replica:0/task:{task_id}" in text):
+                    named.append(f"{job} {task_id} ({address})")
+        return named
 
 
 def resolve_cluster(kind: str = "auto", environ: Mapping[str, str] = os.environ) -> Cluster:

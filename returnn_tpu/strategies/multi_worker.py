@@ -5,10 +5,10 @@
 * :class:`MultiWorkerMirroredStrategy`: TensorFlow's synchronous multi-worker strategy.
 
 Both wait at most ``startup_timeout`` seconds for the cluster and stop with an error that names
-the workers that did not answer; every collective has ``collective_timeout``; TensorFlow's health
-check (every ``min(30, collective_timeout / 2)`` seconds) aborts collectives when a worker dies,
-naming it. Parameters are reduced in packs of ``bucket_bytes`` (few large all-reduces, not one
-per variable).
+the workers that did not answer. Every collective has ``collective_timeout``. A worker that dies
+later makes the others' next collective fail within seconds ("connection refused" from
+``/job:worker/replica:0/task:N``), which the command reports in one line. Parameters are reduced
+in packs of ``bucket_bytes`` (few large all-reduces, not one per variable).
 """
 
 from __future__ import annotations
@@ -62,12 +62,10 @@ class TimedCollectiveExtended(car.CollectiveAllReduceExtended):
     """``CollectiveAllReduceExtended`` with a start-up timeout that names missing workers."""
 
     def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float):
-        self._check_health_initial_timeout = startup_timeout
-        self._check_health_interval = max(1, min(30, int(options.timeout_seconds or 60) // 2))
         if cluster_resolver is None:
             cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        deadline = startup_deadline(cluster_resolver, startup_timeout) if cluster_resolver.cluster_spec().jobs else contextlib.nullcontext()
-        with deadline:
+        one_process = not cluster_resolver.cluster_spec().jobs  # nothing to wait for
+        with contextlib.nullcontext() if one_process else startup_deadline(cluster_resolver, startup_timeout):
             super().__init__(container_strategy, cluster_resolver=cluster_resolver, communication_options=options)
 
 
