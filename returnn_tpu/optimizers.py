@@ -32,7 +32,7 @@ class Optimizer:
 
     def variables(self) -> Dict[str, tf.Variable]:
         """The optimizer's state by checkpoint name."""
-        state = {f"{var_name}/{slot}": v for var_name, slots in self.slots.items() for slot, v in slots.items()}
+        state = {f"{name}/{slot}": v for name, slots in self.slots.items() for slot, v in slots.items()}
         if self.step is not None:
             state["global_step"] = self.step  # RETURNN's name; its loader requires it
         return state
