@@ -142,6 +142,13 @@ def check_supported(config):
     """Stops on config options that would change training and are not implemented."""
     if config.value("task", "train") != "train":
         raise ConfigError(f"task must be 'train' for returnn-tpu, got {config.value('task', '')!r}")
+    extern_data = config.typed_value("extern_data", None) or {}
+    for key, opts in extern_data.items():
+        if isinstance(opts, dict) and (opts.get("dim_tags") or opts.get("dims")):
+            raise ConfigError(
+                f"extern_data[{key!r}] uses Dim objects (dim_tags/dims), which returnn-tpu does not support "
+                "yet; describe it with shape/dim/sparse"
+            )
     for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
         value = config.typed_value(key, None)
         harmless = (None, False, 0, 1) if key == "accum_grad_multiple_step" else (None, False, 0)
