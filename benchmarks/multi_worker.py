@@ -94,7 +94,7 @@ def worker_main(args):
     trainer.all_workers(0)
     seconds = time.perf_counter() - start
     result = {
-        "samples_per_second": trainer.num_replicas * BATCH * args.steps / seconds,
+        "samples_per_second": trainer.steps.num_replicas * BATCH * args.steps / seconds,
         "parameters": int(sum(numpy.prod(v.shape) for v in trainer.builder.variables.by_name.values())),
     }
     if args.measure_sync:

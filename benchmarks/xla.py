@@ -5,7 +5,8 @@
    ``jit_compile`` (same batches, alternating rounds, median ratio), plus the compile time
    (first step of a shape minus a steady step) and the compilations per bucket.
 2. End to end: one epoch of the 12AX task (a few hundred steps, bucketed) with the
-   ``standardlstm`` network, compilation included, with and without ``jit_compile``.
+   ``standardlstm`` network, compilation included, with and without ``jit_compile``; and where
+   its time goes: the first step of each shape (trace + compile) and the median step per shape.
 
     python benchmarks/xla.py [--rounds 5] [--steps 20] [--epoch-seqs 2000]
 """
@@ -122,11 +123,12 @@ def epoch_time(jit: bool, num_seqs: int, model_dir: str):
         train={"class": "Task12AXDataset", "num_seqs": num_seqs}, batch_size=800, max_seqs=16,
     )
     start = time.perf_counter()
-    steps = 0
+    per_shape = {}  # (seqs, frames) -> step times in order
     for step_batches, _ in trainer.epoch_batches(trainer.train_datasets, 1, train=True):
+        step_start = time.perf_counter()
         trainer.train_step(step_batches, 0.001)
-        steps += 1
-    return time.perf_counter() - start, steps, len(trainer.steps.compiled_shapes)
+        per_shape.setdefault(step_batches[0]["data"].shape[:2], []).append(time.perf_counter() - step_start)
+    return time.perf_counter() - start, per_shape, len(trainer.steps.compiled_shapes)
 
 
 def main():
@@ -145,10 +147,16 @@ def main():
             plain, jitted, compile_seconds, per_bucket = step_times(name, args.rounds, args.steps, model_dir)
             print(f"{name:16s} {plain * 1000:9.2f} {jitted * 1000:8.2f} {jitted / plain:10.3f} "
                   f"{compile_seconds:10.2f} {per_bucket:16.1f}")
-        plain_epoch, steps, _ = epoch_time(False, args.epoch_seqs, model_dir)
-        jit_epoch, _, compiled = epoch_time(True, args.epoch_seqs, model_dir)
+        plain_epoch, plain_shapes, _ = epoch_time(False, args.epoch_seqs, model_dir)
+        jit_epoch, jit_shapes, compiled = epoch_time(True, args.epoch_seqs, model_dir)
+        steps = sum(len(times) for times in plain_shapes.values())
         print(f"epoch of {steps} steps (standardlstm, 12AX, buckets {BUCKETS + (128,)}): plain {plain_epoch:.1f} s, "
               f"xla {jit_epoch:.1f} s incl. {compiled} compilations, ratio {jit_epoch / plain_epoch:.3f}")
+        print(f"{'shape (seqs, frames)':22s} {'steps':>6s} {'plain median ms':>16s} {'xla median ms':>14s} "
+              f"{'xla first step s':>17s}")
+        for shape in sorted(plain_shapes):
+            print(f"{str(shape):22s} {len(plain_shapes[shape]):6d} {statistics.median(plain_shapes[shape]) * 1000:16.1f} "
+                  f"{statistics.median(jit_shapes[shape]) * 1000:14.1f} {jit_shapes[shape][0]:17.2f}")
 
 
 if __name__ == "__main__":

@@ -54,12 +54,6 @@ def distribute_options_from_config(config):
 MULTI_WORKER_STRATEGIES = ("local_sgd", "multi_worker_mirrored")
 
 
-def _lost_worker_errors():
-    import tensorflow as tf
-
-    return (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
-
-
 def set_worker_log(config, worker_index: int):
     """Non-chief workers log to ``<log>.worker<N>`` and print only errors and epoch results."""
     logs = [f"{path}.worker{worker_index}" if path not in ("stdout", "|") else path for path in config.list("log", [])]
@@ -79,6 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from returnn_tpu.launcher import run_local_workers
 
         return run_local_workers(int(argv[1]), argv[2:])
+    import tensorflow as tf
     from returnn.log import log
 
     from returnn_tpu.cluster import resolve_cluster
@@ -87,7 +82,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     from returnn_tpu.session_options import apply_session_options
     from returnn_tpu.trainer import Trainer, check_supported
 
-    LOST_WORKER_ERRORS = _lost_worker_errors()
     cluster = None
     try:
         setup_returnn()
@@ -112,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
-    except LOST_WORKER_ERRORS as exc:
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as exc:
         if not (cluster and cluster.num_workers > 1):
             raise
         lost = ", ".join(cluster.workers_named_in(exc.message)) or "another worker"

@@ -232,7 +232,6 @@ class EpochBatches:
         self.data_keys = list(data_keys)
         self.slots = slots if slots is not None else range(len(self.datasets))
         self.num_slots = num_slots or len(self.slots)
-        self.pad_last = pad_last
         self.prefetch = prefetch
         self.batching = batching
         self.batch_lists = []

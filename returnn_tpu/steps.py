@@ -28,7 +28,7 @@ from returnn_tpu.strategies import is_local_sgd, syncs_in_step
 class ReplicaSteps:
     """The step functions for one strategy, network and optimizer.
 
-    :param first_replica: global index of this worker's first replica (0 on one machine).
+    :param worker_index: this worker's index in the cluster (0 on one machine).
     """
 
     def __init__(
@@ -41,7 +41,7 @@ class ReplicaSteps:
         param_sync_step: int,
         clip_value: float = 0.0,
         clip_global_norm: float = 0.0,
-        first_replica: int = 0,
+        worker_index: int = 0,
     ):
         self.strategy = strategy
         self.builder = builder
@@ -49,9 +49,10 @@ class ReplicaSteps:
         self.param_sync_step = param_sync_step
         self.clip_value = clip_value
         self.clip_global_norm = clip_global_norm
-        self.first_replica = first_replica
-        self.num_replicas = strategy.num_replicas_in_sync
+        self.num_replicas = strategy.num_replicas_in_sync  # over all workers
         self.local_replicas = len(strategy.extended.worker_devices)
+        self.num_workers = self.num_replicas // self.local_replicas
+        self.first_replica = worker_index * self.local_replicas  # global index of this worker's first
         self.local_sgd = is_local_sgd(strategy)
         self.in_step = syncs_in_step(strategy)
         self.trainable_names: Optional[List[str]] = None  # known after the first trace
@@ -108,9 +109,9 @@ class ReplicaSteps:
         """Averages the trainable parameters over all replicas (local SGD)."""
         self._sync()
 
-    def gather_rows(self, values: List[float], num_workers: int) -> numpy.ndarray:
+    def gather_rows(self, values: List[float]) -> numpy.ndarray:
         """One row of ``values`` per worker, gathered from all workers (one collective)."""
-        if num_workers == 1:
+        if self.num_workers == 1:
             return numpy.array([values], dtype=numpy.float64)
         per_replica = self.distribute([tf.constant([values], tf.float64)] * self.local_replicas)
         return self._gather(per_replica).numpy()[:: self.local_replicas]

@@ -168,15 +168,27 @@ class Trainer:
         self.log = log
         self.cluster = cluster or Cluster("local", None)
         self.strategy = make_strategy(options, self.cluster)
-        self.num_replicas = self.strategy.num_replicas_in_sync  # over all workers
-        self.local_replicas = len(self.strategy.extended.worker_devices)
-        self.first_replica = self.cluster.worker_index * self.local_replicas  # global index of our first
         self.builder = NetworkBuilder(config)
         self.optimizer = optimizer_from_config(config)
+        self.steps = ReplicaSteps(
+            self.strategy,
+            self.builder,
+            self.optimizer,
+            jit_compile=options.jit_compile,
+            param_sync_step=options.param_sync_step,
+            clip_value=config.float("gradient_clip", 0.0),
+            clip_global_norm=config.float("gradient_clip_global_norm", 0.0),
+            worker_index=self.cluster.worker_index,
+        )
+        if self.steps.in_step and options.param_sync_time_diff:
+            raise ConfigError(
+                f"distribute_options['param_sync_time_diff'] cannot be used with {options.strategy!r} "
+                "(the sync is decided inside the compiled step); use param_sync_step"
+            )
         self.info = self.builder.inspect()
         self.extern_data = self.info.extern_data
         self.train_datasets = init_datasets(
-            config, "train", self.local_replicas, self.first_replica, options.dataset_distribution
+            config, "train", self.steps.local_replicas, self.steps.first_replica, options.dataset_distribution
         )
         if not self.train_datasets:
             raise ConfigError("config option 'train' (the training dataset) is missing")
@@ -201,21 +213,6 @@ class Trainer:
             any_worker=lambda flag: self.sum_over_workers([float(flag)])[0] > 0,
             time_check_steps=1 if self.cluster.num_workers == 1 else 10,
         )
-        self.steps = ReplicaSteps(
-            self.strategy,
-            self.builder,
-            self.optimizer,
-            jit_compile=options.jit_compile,
-            param_sync_step=options.param_sync_step,
-            clip_value=config.float("gradient_clip", 0.0),
-            clip_global_norm=config.float("gradient_clip_global_norm", 0.0),
-            first_replica=self.first_replica,
-        )
-        if self.steps.in_step and options.param_sync_time_diff:
-            raise ConfigError(
-                f"distribute_options['param_sync_time_diff'] cannot be used with {options.strategy!r} "
-                "(the sync is decided inside the compiled step); use param_sync_step"
-            )
         self._built = False
         self._resume_epoch = 0  # the checkpoint to restore when the variables are created
 
@@ -236,12 +233,11 @@ class Trainer:
 
     def all_workers(self, value: int) -> List[int]:
         """``value`` of every worker (one collective), in worker order; just ``[value]`` alone."""
-        return [int(row[0]) for row in self.steps.gather_rows([float(value)], self.cluster.num_workers)]
+        return [int(row[0]) for row in self.steps.gather_rows([float(value)])]
 
     def sum_over_workers(self, values: List[float]) -> List[float]:
         """Element-wise sums of ``values`` over all workers (one collective)."""
-        rows = self.steps.gather_rows(values, self.cluster.num_workers)
-        return [float(x) for x in numpy.sum(rows, axis=0)]
+        return [float(x) for x in numpy.sum(self.steps.gather_rows(values), axis=0)]
 
     # ---- model state --------------------------------------------------------------------------
 
@@ -279,6 +275,7 @@ class Trainer:
     def epoch_batches(self, datasets, epoch: int, *, train: bool) -> EpochBatches:
         """This worker's batches of an epoch; with several workers, all do the same number of steps."""
         own_copies = len(datasets) > 1  # random_seed_offset: one dataset per local replica
+        ours = range(self.steps.first_replica, self.steps.first_replica + self.steps.local_replicas)
         batches = EpochBatches(
             datasets,
             epoch=epoch,
@@ -287,8 +284,8 @@ class Trainer:
             batching=self.batching if train else self.eval_batching,
             recurrent=self.info.recurrent,
             train=train,
-            slots=None if own_copies else range(self.first_replica, self.first_replica + self.local_replicas),
-            num_slots=None if own_copies else self.num_replicas,
+            slots=None if own_copies else ours,
+            num_slots=None if own_copies else self.steps.num_replicas,
             pad_last=not train,
         )
         batches.limit_steps(min(self.all_workers(batches.num_steps)))
@@ -311,7 +308,7 @@ class Trainer:
             return
         print(
             f"returnn-tpu: strategy {self.options.strategy}, {self.cluster.num_workers} workers, "
-            f"{self.num_replicas} replicas, start training at epoch {start_epoch}",
+            f"{self.steps.num_replicas} replicas, start training at epoch {start_epoch}",
             file=self.log.v2,
         )
         self._resume_epoch = start_epoch - 1
@@ -430,7 +427,7 @@ class Trainer:
             "epoch": epoch,
             "strategy": self.options.strategy,
             "num_workers": self.cluster.num_workers,
-            "num_replicas": self.num_replicas,
+            "num_replicas": self.steps.num_replicas,
             "steps": stats.steps,
             "learning_rate": learning_rate,
             "train_score": _single_or_dict(train_score),

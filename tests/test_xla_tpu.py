@@ -14,7 +14,7 @@ DETERMINISTIC = ["linear", "conv", "self_attention", "layer_norm", "standardlstm
 
 def _losses(trainer, steps, seed):
     """Training losses on one fixed batch (so that they fall)."""
-    batches = random_step_batches(numpy.random.RandomState(seed), trainer.local_replicas, time=9)
+    batches = random_step_batches(numpy.random.RandomState(seed), trainer.steps.local_replicas, time=9)
     losses = []
     for _ in range(steps):
         metrics = trainer.train_step(batches, 0.05)
@@ -25,7 +25,7 @@ def _losses(trainer, steps, seed):
 
 def _same_start(reference, other, rng):
     """Builds both trainers' variables and gives ``other`` the parameters of ``reference``."""
-    first = random_step_batches(rng, reference.local_replicas, time=9)
+    first = random_step_batches(rng, reference.steps.local_replicas, time=9)
     reference.steps.create_variables(first)
     other.steps.create_variables(first)
     for name, var in other.builder.variables.by_name.items():
