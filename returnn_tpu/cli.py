@@ -45,10 +45,7 @@ def distribute_options_from_config(config):
     from returnn_tpu.options import DistributeOptions
 
     strategy = config.typed_value("distribute_strategy", None) or config.value("distribute_strategy", "local_sgd")
-    options = config.typed_value("distribute_options", None)
-    if options is not None and not isinstance(options, dict):
-        raise ConfigError(f"distribute_options must be a dict, got {options!r}")
-    return DistributeOptions.from_config_values(strategy, options)
+    return DistributeOptions.from_config_values(strategy, config.typed_value("distribute_options", None))
 
 
 MULTI_WORKER_STRATEGIES = ("local_sgd", "multi_worker_mirrored")

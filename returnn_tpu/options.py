@@ -14,7 +14,6 @@ from typing import Any, Mapping, Optional, Tuple
 from returnn_tpu.errors import ConfigError
 
 STRATEGY_NAMES = ("single", "mirrored", "local_sgd", "multi_worker_mirrored", "tpu", "local_sgd_tpu")
-LOCAL_SGD_STRATEGY_NAMES = ("local_sgd", "local_sgd_tpu")
 TPU_STRATEGY_NAMES = ("tpu", "local_sgd_tpu")
 CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "tpu", "local")
 DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")
@@ -79,9 +78,9 @@ class DistributeOptions:
             raise ConfigError(
                 f"distribute_strategy must be one of {', '.join(map(repr, STRATEGY_NAMES))}, got {strategy!r}"
             )
-        options = dict(options or {})
-        if not isinstance(options, dict):
+        if options is not None and not isinstance(options, Mapping):
             raise ConfigError(f"distribute_options must be a dict, got {options!r}")
+        options = dict(options or {})
         valid_keys = [f.name for f in dataclasses.fields(cls) if f.name != "strategy"]
         unknown = sorted(set(options) - set(valid_keys))
         if unknown:
@@ -124,8 +123,3 @@ class DistributeOptions:
         if strategy == "single" and kwargs.get("num_replicas", 1) != 1:
             raise ConfigError("distribute_options['num_replicas'] must be 1 with distribute_strategy 'single'")
         return cls(**kwargs)
-
-    @property
-    def is_local_sgd(self) -> bool:
-        """Whether replicas keep their own parameters between periodic averages."""
-        return self.strategy in LOCAL_SGD_STRATEGY_NAMES

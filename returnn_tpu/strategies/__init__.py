@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.options import DistributeOptions
+from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy
@@ -62,7 +62,7 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
             bucket_bytes=options.sync_bucket_bytes,
             startup_timeout=options.startup_timeout,
         )
-    if options.strategy in ("tpu", "local_sgd_tpu"):
+    if options.strategy in TPU_STRATEGY_NAMES:
         if options.strategy == "local_sgd_tpu" and options.cluster_resolver == "local":
             # The TPU program's in-step sync, on local devices: to run the TPU path without a TPU.
             devices = local_replica_devices(options.num_replicas)

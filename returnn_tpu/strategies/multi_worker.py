@@ -83,14 +83,6 @@ class _MultiWorkerStrategy(car.CollectiveAllReduceStrategy):
         extended = self.extended_class(self, cluster_resolver, options, startup_timeout)
         tf.distribute.Strategy.__init__(self, extended)  # skip CollectiveAllReduceStrategy.__init__
 
-    @property
-    def worker_index(self) -> int:
-        return self.extended._id_in_cluster
-
-    @property
-    def num_workers(self) -> int:
-        return self.extended._num_workers
-
 
 class MultiWorkerMirroredStrategy(_MultiWorkerStrategy):
     """TensorFlow's synchronous multi-worker strategy with start-up and collective timeouts."""
