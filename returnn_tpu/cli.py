@@ -17,27 +17,35 @@ from returnn_tpu.errors import ConfigError
 USAGE = "usage: returnn-tpu [--local-workers N] CONFIG [++key value ...]"
 
 
-def load_config(argv: List[str]):
-    """The RETURNN config from ``CONFIG [++key value ...]``, with RETURNN's override semantics.
-
-    Overrides are applied before the file is loaded (so the config code can read them) and
-    again after (so they win), as RETURNN's ``rnn.py`` does.
-    """
-    from returnn.config import Config, set_global_config
-
+def split_args(argv: List[str]):
+    """``CONFIG [++key value ...]`` -> ``(CONFIG, overrides)``; a usage error otherwise."""
     if not argv or argv[0].startswith(("-", "+")):
         raise ConfigError(USAGE)
     filename, overrides = argv[0], argv[1:]
     if not os.path.isfile(filename):
         raise ConfigError(f"config file {filename!r} does not exist")
-    config = Config()
-    if overrides:
-        config.parse_cmd_args(overrides)
-    config.load_file(filename)
-    if overrides:
-        config.parse_cmd_args(overrides)
-    set_global_config(config)
-    return config
+    return filename, overrides
+
+
+def run_plain_returnn(filename: str, overrides: List[str]):
+    """Replaces this process by plain RETURNN on the same config (tasks other than ``train``).
+
+    Checkpoints are RETURNN's, so ``eval``, ``forward`` and ``search`` need nothing of ours.
+    Without a ``backend`` in the config, the TF net-dict backend is named, as returnn-tpu assumes it.
+    """
+    from returnn.util.basic import BackendEngine
+
+    extra = [] if BackendEngine.selected_engine is None or _config_names_backend() else ["++use_tensorflow", "1"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "returnn", filename, *overrides, *extra])
+
+
+def _config_names_backend() -> bool:
+    from returnn.config import get_global_config
+
+    config = get_global_config()
+    return bool(config.value("backend", None) or config.bool("use_tensorflow", False))
 
 
 def distribute_options_from_config(config):
@@ -71,18 +79,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run_local_workers(int(argv[1]), argv[2:])
     import tensorflow as tf
-    from returnn.log import log
 
     from returnn_tpu.cluster import resolve_cluster
     from returnn_tpu.optimizers import optimizer_from_config
-    from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
+    from returnn_tpu.returnn_bridge import check_xla_compatible, start_returnn
     from returnn_tpu.session_options import apply_session_options
     from returnn_tpu.trainer import Trainer, check_supported
 
     cluster = None
     try:
-        setup_returnn()
-        config = load_config(argv)
+        filename, overrides = split_args(argv)
+        config = start_returnn(filename, overrides)
+        if config.value("task", "train") != "train":
+            run_plain_returnn(filename, overrides)
         # Everything that can be checked is checked before anything is written.
         options = distribute_options_from_config(config)
         check_supported(config)
@@ -96,9 +105,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         for path in config.list("log", []):
             if path not in ("stdout", "|"):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        log.init_by_config(config)
+        import returnn.__main__ as rnn
+
+        rnn.init_log()
+        rnn.returnn_greeting(config_filename=filename, command_line_options=overrides)
         for message in ignored:
-            print(f"returnn-tpu: ignoring {message}", file=log.v3)
+            print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
         Trainer(config, options, cluster).train()
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)

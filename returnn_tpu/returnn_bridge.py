@@ -1,9 +1,10 @@
 """Building a RETURNN ``TFNetwork`` inside a replica's trace of a ``tf.function``.
 
 RETURNN's TF backend is written for TF1 graphs and sessions. This module makes its network
-construction run inside ``strategy.run(step_fn, ...)`` (see DESIGN.md, facts 1-9):
+construction run inside ``strategy.run(step_fn, ...)`` (see FACTS.md):
 
-* :func:`setup_returnn` imports RETURNN's TF code and then turns TF2 behaviour back on.
+* :func:`start_returnn` loads the config and sets RETURNN up as its ``rnn.py`` does;
+  :func:`setup_returnn` imports RETURNN's TF code and then turns TF2 behaviour back on.
 * :class:`VariableCache` creates each ``tf.compat.v1.get_variable`` once (as a distributed
   variable when a strategy scope is active) and hands the same object to every later trace.
 * :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data,
@@ -27,11 +28,13 @@ _RETURNN_READY = False
 def setup_returnn():
     """Imports RETURNN's TF backend and restores the TF2 settings it turns off. Idempotent.
 
-    * Native ops are built without CUDA when TensorFlow has no GPU support (fact 9).
-    * ``returnn.tf.compat`` disables eager execution, v2 shapes and control flow v2 (fact 1).
-    * RETURNN keeps tensors and variables in sets and dict keys: tensor equality off (fact 1).
-    * ``NativeLstm2`` calls ``set_shape`` on its weights; distributed variables refuse that
-      (fact 7), so they get a set_shape that checks the shape is compatible.
+    Process-wide, independent of any config (the config's part is :func:`start_returnn`):
+
+    * Native ops are built without CUDA when TensorFlow has no GPU support (FACTS.md, "native ops").
+    * ``returnn.tf.compat`` disables eager execution, v2 shapes and control flow v2; RETURNN keeps
+      tensors and variables in sets and dict keys, so tensor equality goes off (FACTS.md, "TF2 mode").
+    * ``NativeLstm2`` calls ``set_shape`` on its weights; distributed variables refuse that, so
+      they get a ``set_shape`` that checks the shape is compatible (FACTS.md, "set_shape").
     """
     global _RETURNN_READY
     if _RETURNN_READY:
@@ -39,14 +42,12 @@ def setup_returnn():
     if not tf.test.is_built_with_cuda():
         os.environ.setdefault("DISABLE_CUDA", "1")
     import returnn.tf.compat  # noqa: F401  (side effects undone below)
-    from returnn.util import basic as returnn_util
     from tensorflow.python.distribute import values as tf_values
 
     tf.compat.v1.enable_eager_execution()
     tf.compat.v1.enable_v2_tensorshape()
     tf.compat.v1.enable_control_flow_v2()
     tf.compat.v1.disable_tensor_equality()
-    returnn_util.BackendEngine.select_engine(engine=returnn_util.BackendEngine.TensorFlow)
 
     def set_shape_if_compatible(self, shape):
         if not self.shape.is_compatible_with(shape):
@@ -54,6 +55,36 @@ def setup_returnn():
 
     tf_values.DistributedVariable.set_shape = set_shape_if_compatible
     _RETURNN_READY = True
+
+
+def start_returnn(config_filename: str, overrides: List[str]):
+    """Loads the config and sets RETURNN's process-global state as its ``rnn.py`` does.
+
+    RETURNN's own ``init_config`` loads the file with the ``++key value`` overrides applied
+    before and after (so config code can read them and they win), makes it the global config
+    and applies the config's ``behavior_version``. The backend is chosen by RETURNN's
+    ``select_engine`` from ``backend`` / ``use_tensorflow``, falling back to the TF net-dict
+    backend (the only one this package trains); RETURNN's low-level ``"tensorflow"`` frontend
+    backend would raise the minimum behavior version to 16 and change what old configs mean
+    (FACTS.md, "backend and behavior version"). Nothing is written. Returns the config.
+    """
+    import returnn.__main__ as rnn
+    from returnn.util.basic import BackendEngine
+
+    try:
+        rnn.init_config(config_filename=config_filename, command_line_options=overrides)
+    except SyntaxError as exc:
+        raise ConfigError(f"config file {config_filename!r} has a Python syntax error in line {exc.lineno}: {exc.msg}") from None
+    config = rnn.config
+    backend = config.value("backend", None)
+    if backend not in (None, "tensorflow-net-dict"):
+        raise ConfigError(
+            f"backend {backend!r} is not supported: returnn-tpu trains RETURNN's TensorFlow network-dict "
+            "configs (backend 'tensorflow-net-dict' or use_tensorflow = True)"
+        )
+    BackendEngine.select_engine(config=config, default_fallback_engine=BackendEngine.TensorFlowNetDict)
+    setup_returnn()
+    return config
 
 
 class VariableCache(tf.Module):
