@@ -5,7 +5,7 @@ Trains the same network on the same batches with
   * returnn-tpu with ``distribute_strategy = "single"``,
   * returnn-tpu with ``"local_sgd"`` and one replica,
 alternating in rounds, and prints the ratio of median step times to the session step and the
-minor page faults per step (DESIGN.md facts 17 and 18).
+minor page faults per step (FACTS.md, "from_generator").
 
     python benchmarks/overhead.py [--unit nativelstm2|standardlstm|ff] [--rounds 5] [--steps 20]
 """

@@ -44,16 +44,19 @@ def load(prefix: str) -> Dict[str, numpy.ndarray]:
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
 
 
-def restore(prefix: str, variables: Mapping[str, tf.Variable], *, allow_missing=()):
+def restore(prefix: str, variables: Mapping[str, tf.Variable], *, partial: bool = False, log_file=None):
     """Assigns the saved values to ``variables`` (every replica's copy of a distributed variable).
 
-    Raises ``KeyError`` naming the first variable the checkpoint lacks, unless listed in
-    ``allow_missing``.
+    Raises ``KeyError`` naming the first variable the checkpoint lacks. With ``partial`` (a
+    network that changes per epoch resumed from another epoch's checkpoint), variables the
+    checkpoint lacks or holds in another shape keep their initialization, and are logged.
     """
     values = load(prefix)
     for name, var in variables.items():
-        if name not in values:
-            if name in allow_missing:
-                continue
-            raise KeyError(f"checkpoint {prefix} has no variable {name!r}")
-        var.assign(values[name])
+        value = values.get(name)
+        if value is not None and tuple(value.shape) == tuple(var.shape):
+            var.assign(value)
+        elif not partial:
+            raise KeyError(f"checkpoint {prefix} has no variable {name!r} of shape {list(var.shape)}")
+        else:
+            print(f"checkpoint {prefix}: {name!r} not loaded (not in it, or of another shape)", file=log_file)

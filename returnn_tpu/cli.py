@@ -27,25 +27,17 @@ def split_args(argv: List[str]):
     return filename, overrides
 
 
-def run_plain_returnn(filename: str, overrides: List[str]):
-    """Replaces this process by plain RETURNN on the same config (tasks other than ``train``).
+def run_plain_returnn(config, filename: str, overrides: List[str]):
+    """Replaces this process by plain RETURNN on the same config (tasks other than training).
 
-    Checkpoints are RETURNN's, so ``eval``, ``forward`` and ``search`` need nothing of ours.
-    Without a ``backend`` in the config, the TF net-dict backend is named, as returnn-tpu assumes it.
+    Checkpoints are RETURNN's, so ``eval``, ``forward`` and ``search`` need nothing of ours. A
+    config that names no backend gets ``use_tensorflow``, since returnn-tpu assumed that backend.
     """
-    from returnn.util.basic import BackendEngine
-
-    extra = [] if BackendEngine.selected_engine is None or _config_names_backend() else ["++use_tensorflow", "1"]
+    names_backend = config.value("backend", None) or config.bool("use_tensorflow", False)
+    extra = [] if names_backend else ["++use_tensorflow", "1"]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-m", "returnn", filename, *overrides, *extra])
-
-
-def _config_names_backend() -> bool:
-    from returnn.config import get_global_config
-
-    config = get_global_config()
-    return bool(config.value("backend", None) or config.bool("use_tensorflow", False))
 
 
 def distribute_options_from_config(config):
@@ -84,14 +76,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     from returnn_tpu.optimizers import optimizer_from_config
     from returnn_tpu.returnn_bridge import check_xla_compatible, start_returnn
     from returnn_tpu.session_options import apply_session_options
-    from returnn_tpu.trainer import Trainer, check_supported
+    from returnn_tpu.trainer import TASKS, Trainer, check_supported
 
     cluster = None
     try:
         filename, overrides = split_args(argv)
         config = start_returnn(filename, overrides)
-        if config.value("task", "train") != "train":
-            run_plain_returnn(filename, overrides)
+        task = config.value("task", "train")
+        if task not in TASKS:
+            run_plain_returnn(config, filename, overrides)
         # Everything that can be checked is checked before anything is written.
         options = distribute_options_from_config(config)
         check_supported(config)
@@ -111,7 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         rnn.returnn_greeting(config_filename=filename, command_line_options=overrides)
         for message in ignored:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
-        Trainer(config, options, cluster).train()
+        trainer = Trainer(config, options, cluster)
+        trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ for a worker that has run out of data.
 With ``jit_compile``, :class:`BucketBatching` replaces RETURNN's batch generation for training:
 sequences grouped by length into buckets, batches padded to static shapes (one per bucket).
 
-No ``tf.data.Dataset.from_generator`` (DESIGN.md fact 18): batches are NumPy arrays handed to
+No ``tf.data.Dataset.from_generator`` (FACTS.md, "from_generator"): batches are NumPy arrays handed to
 the step function directly.
 """
 

@@ -37,6 +37,11 @@ class Optimizer:
             state["global_step"] = self.step  # RETURNN's name; its loader requires it
         return state
 
+    def reset_slots(self):
+        """Forgets the slot variables (new ones, zero, are created for the next network), as RETURNN
+        creates a new optimizer when the network changes between epochs. The step count stays."""
+        self.slots = {}
+
     def create_state(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]):
         """Creates the step counter and the slots of ``variables`` (cross-replica context, once,
         before the first step is traced)."""
@@ -186,6 +191,16 @@ def optimizer_from_config(config) -> Optimizer:
         raise ConfigError(
             f"optimizer {name!r} got unsupported options {sorted(opts)}; valid: {', '.join(valid) or 'none'}"
         ) from None
+
+
+def add_gradient_noise(grads: List[tf.Tensor], stddev: float) -> List[tf.Tensor]:
+    """RETURNN's ``gradient_noise``: zero-mean truncated-normal noise of this stddev on each gradient
+    (RETURNN's own ``add_scaled_noise_to_gradients``), drawn per replica."""
+    if not stddev:
+        return grads
+    from returnn.tf.util.basic import add_scaled_noise_to_gradients
+
+    return [grad for grad, _ in add_scaled_noise_to_gradients([(g, None) for g in grads], stddev)]
 
 
 def clip_gradients(grads: List[tf.Tensor], clip_value: float, clip_global_norm: float) -> List[tf.Tensor]:

@@ -92,24 +92,43 @@ class VariableCache(tf.Module):
 
     Used as a ``tf.variable_creator_scope`` creator. A variable that does not exist yet is
     created under ``tf.init_scope()``, so it outlives the trace and, under ``strategy.scope()``,
-    becomes a distributed variable (fact 2). Every variable handed out is also added to the
-    trace's GLOBAL_VARIABLES (and TRAINABLE_VARIABLES) collection, because RETURNN's ``rec``
-    layer finds its parameters there (fact 3).
+    becomes a distributed variable (FACTS.md, "Variables in a trace"). Every variable handed out
+    is also added to the trace's GLOBAL_VARIABLES (and TRAINABLE_VARIABLES) collection, because
+    RETURNN's ``rec`` layer finds its parameters there (FACTS.md, "Variable collections").
+
+    When the network changes between epochs (``pretrain``, ``get_network``), variables of the
+    same name and shape carry over; one asked for with another shape is created anew (RETURNN
+    initializes it) and the old one is kept in :attr:`replaced` for :func:`carry_over`.
     """
 
     def __init__(self):
         super().__init__(name="returnn_params")
         self.by_name: Dict[str, tf.Variable] = {}
+        self.in_network: set = set()  # names the current network uses (what a checkpoint holds)
+        self.replaced: Dict[str, tf.Variable] = {}  # old variables whose new network wants another shape
+        self.allow_new_shapes = False
+
+    def start_network(self, *, allow_new_shapes: bool, drop=()):
+        """Starts a new network: ``drop`` names are initialized afresh, other names carry over."""
+        for name in drop:
+            self.by_name.pop(name, None)
+        self.in_network = set()
+        self.replaced = {}
+        self.allow_new_shapes = allow_new_shapes
 
     def creator(self, next_creator, **kwargs):
         name = kwargs["name"]
         var = self.by_name.get(name)
+        if var is not None and tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape)):
+            if not self.allow_new_shapes:
+                raise ValueError(f"parameter {name} exists with shape {var.shape}, asked for {kwargs.get('shape')}")
+            self.replaced[name] = var
+            var = None
         if var is None:
             with tf.init_scope():
                 var = next_creator(**kwargs)
             self.by_name[name] = var
-        elif tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape)):
-            raise ValueError(f"parameter {name} exists with shape {var.shape}, asked for {kwargs.get('shape')}")
+        self.in_network.add(name)
         graph = tf.compat.v1.get_default_graph()
         collections = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES]
         if kwargs.get("trainable", True):
@@ -119,12 +138,43 @@ class VariableCache(tf.Module):
                 graph.add_to_collection(key, var)
         return var
 
+    def network_variables(self) -> Dict[str, tf.Variable]:
+        """The current network's variables by name."""
+        return {name: self.by_name[name] for name in sorted(self.in_network)}
+
+
+def carry_over(variables: VariableCache, copy_param_mode: Optional[str], first_copy, log_file=None):
+    """After a network change: fills re-created parameters from their old values where RETURNN would.
+
+    With ``copy_param_mode = "subset"`` the old values fill the overlapping part of the new shape
+    (RETURNN's ``copy_with_new_split_axes``, honouring LSTM-style split axes); otherwise the new
+    parameter keeps its fresh initialization, as in RETURNN. ``first_copy(var)`` is a variable's
+    value in cross-replica context.
+    """
+    from returnn.tf.util import basic as tf_util
+
+    for name, old in sorted(variables.replaced.items()):
+        new = variables.by_name[name]
+        old_values, new_values = first_copy(old), first_copy(new)
+        if copy_param_mode != "subset" or old_values.ndim != new_values.ndim:
+            print(f"Will not set param {name!r} because its shape {list(new.shape)} != {list(old.shape)}.", file=log_file)
+            continue
+        split_info = tf_util.get_param_axes_split_info(new)
+        if split_info:
+            old_splits = tf_util.transform_param_axes_split_info_to_new_shape(split_info, old_values.shape, debug_name=name)
+        else:
+            old_splits, split_info = [[d] for d in old_values.shape], [[d] for d in new_values.shape]
+        print(f"Param {name!r}: transform old values of shape {list(old.shape)} into new shape {list(new.shape)}.",
+              file=log_file)
+        new.assign(tf_util.copy_with_new_split_axes(old_splits, split_info, old_values, new_values))
+    variables.replaced = {}
+
 
 @contextlib.contextmanager
 def fresh_tf1_state() -> Iterator[None]:
     """A fresh v1 variable store and empty variable collections for one network build.
 
-    FuncGraphs share both with the outer graph by reference (fact 4); without this, a second
+    FuncGraphs share both with the outer graph by reference (FACTS.md, "Shared TF1 state"); without this, a second
     network (the next replica, or the eval net) would see the first one's variables.
     """
     from tensorflow.python.ops import variable_scope
@@ -199,6 +249,7 @@ class NetworkInfo:
     recurrent: bool
     used_data_keys: List[str]
     layer_classes: Dict[str, str]
+    output_layer_params: List[str]  # variable names of the output layers (pretrain may re-initialize them)
 
 
 def extern_data_template(config, *, placeholders: bool = False):
@@ -220,16 +271,30 @@ def extern_data_template(config, *, placeholders: bool = False):
 
 
 class NetworkBuilder:
-    """Builds the config's ``network`` inside replica traces, all sharing one :class:`VariableCache`."""
+    """Builds a network dict inside replica traces, all networks sharing one :class:`VariableCache`.
 
-    def __init__(self, config):
+    :meth:`use_network` sets the network (the config's ``network``, or one per epoch, see
+    :class:`returnn_tpu.networks.EpochNetworks`); :meth:`build` constructs it in a trace.
+    """
+
+    def __init__(self, config, net_dict: Optional[Dict[str, Any]] = None):
         setup_returnn()
         self.config = config
-        self.net_dict = config.typed_value("network")
+        self.net_dict = net_dict if net_dict is not None else config.typed_value("network")
         if not isinstance(self.net_dict, dict):
-            raise ConfigError("network must be a dict of layers (a `get_network` function is not supported yet)")
-        self.base_seed = config.int("random_seed", 42)
+            raise ConfigError("network must be a dict of layers (or define get_network(epoch))")
+        self.net_seed = config.int("random_seed", 42)
+        self.train_param_args: Dict[str, Any] = {}
         self.variables = VariableCache()
+
+    def use_network(self, net_dict: Dict[str, Any], *, net_seed: int, train_param_args=None,
+                    allow_new_shapes: bool = False, reset=()):
+        """Later builds construct ``net_dict``; ``net_seed`` seeds its initializers as RETURNN's
+        network of that epoch would be seeded; ``reset`` names parameters to initialize afresh."""
+        self.net_dict = net_dict
+        self.net_seed = net_seed
+        self.train_param_args = dict(train_param_args or {})
+        self.variables.start_network(allow_new_shapes=allow_new_shapes, drop=reset)
 
     def inspect(self) -> "NetworkInfo":
         """Builds the network once in a throwaway TF1 graph, to learn what batching needs.
@@ -248,13 +313,16 @@ class NetworkBuilder:
                 recurrent=bool(net.recurrent),
                 used_data_keys=sorted(net.get_used_data_keys()),
                 layer_classes={name: layer.layer_class for name, layer in net.layers.items()},
+                output_layer_params=sorted(
+                    v.name.split(":")[0] for layer in net.get_output_layers() for v in layer.params.values()
+                ),
             )
 
     def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int):
         """Builds a ``TFNetwork`` on ``inputs`` (data keys and ``size:<key>:<axis>`` lengths).
 
         Call inside a replica's trace. ``replica_id`` offsets the random seed, so replicas drop
-        different units (fact 8). Returns the network and its trainable parameters as
+        different units (FACTS.md, "Seeds per replica"). Returns the network and its trainable parameters as
         ``(name, variable)`` pairs sorted by name (the same order on every replica).
         """
         from returnn.tf.network import TFNetwork
@@ -264,7 +332,7 @@ class NetworkBuilder:
             if key not in inputs:
                 del extern_data.data[key]
                 continue
-            # A fresh tensor per replica: RETURNN attaches attributes to tensor objects (fact 5).
+            # A fresh tensor per replica: RETURNN attaches attributes to tensor objects (FACTS.md, "Extern data per trace").
             data.placeholder = tf.identity(inputs[key])
             data.size_placeholder = {
                 axis: tf.identity(inputs[size_key(key, axis)])
@@ -279,34 +347,35 @@ class NetworkBuilder:
             net = TFNetwork(
                 config=self.config,
                 extern_data=extern_data,
-                rnd_seed=self.base_seed + 1000 * replica_id,
-                train_flag=train,
+                rnd_seed=self.net_seed + 1000 * replica_id,
+                # RETURNN evaluates with its train-flag placeholder fed False, not a Python False:
+                # a Python False removes the losses of rec subnetworks (FACTS.md, "Eval networks").
+                train_flag=True if train else tf.constant(False),
                 eval_flag=True,
             )
             net.construct_from_dict(self.net_dict)
+            net.declare_train_params(**self.train_param_args)
             net.maybe_construct_objective()
             # RETURNN reads the TRAINABLE_VARIABLES collection here, so ask while it is ours.
             params = sorted((v.name.split(":")[0], v) for v in net.get_trainable_params())
         return net, params
 
 
-def loss_metrics(net) -> Dict[str, tf.Tensor]:
-    """Per-batch sums behind RETURNN's epoch scores.
+def loss_metrics(net, *, train: bool) -> Dict[str, tf.Tensor]:
+    """Per-batch sums behind RETURNN's epoch scores, from RETURNN's own ``get_fetches_dict``.
 
-    For every loss ``name``: ``cost:name`` and ``error:name`` (summed over frames, as RETURNN
-    fetches them) and ``frames:name`` (the inverse of RETURNN's loss norm factor). The epoch
-    score is ``sum(cost) / sum(frames)``, as RETURNN's runner computes it.
+    For every loss ``name`` that RETURNN fetches in this mode (losses inside ``rec`` subnetworks
+    included; eval-only losses only when not training): ``cost:name`` and ``error:name`` (sums,
+    where the loss has them) and ``frames:name`` (the inverse of RETURNN's loss norm factor).
+    The epoch score is ``sum(cost) / sum(frames)``, as RETURNN's runner computes it.
     """
+    fetches = net.get_fetches_dict(should_train=train, should_eval=True, with_summary=False, with_size=False)
     metrics = {}
-    for name, loss in net.losses_dict.items():
-        value = loss.get_loss_value_for_fetch()
-        if value is None:
-            continue
-        metrics[f"cost:{name}"] = tf.cast(value, tf.float32)
-        error = loss.get_error_value()
-        if error is not None:
-            metrics[f"error:{name}"] = tf.cast(error, tf.float32)
-        metrics[f"frames:{name}"] = 1.0 / tf.cast(loss.get_norm_factor(), tf.float32)
+    for key, value in fetches.items():
+        if key.startswith(("cost:", "error:")):
+            metrics[key] = tf.cast(value, tf.float32)
+        elif key.startswith("loss_norm_factor:"):
+            metrics["frames:" + key.split(":", 1)[1]] = 1.0 / tf.cast(value, tf.float32)
     return metrics
 
 

@@ -10,6 +10,11 @@ backward pass (the RETURNN network is built inside that trace, see
 * or inside ``strategy.run`` (TPU strategies, and ``local_sgd_tpu`` on local devices): every
   replica applies its (for synchronous training: all-reduced) gradients, and local SGD averages
   under ``tf.cond`` on the step counter, all in one program.
+
+Gradients are treated as RETURNN's updater treats them, in its order: summed over
+``accum_grad_multiple_step`` micro-batches (:meth:`ReplicaSteps.accumulate` adds a micro-batch's
+gradients to per-replica sums, the next :meth:`ReplicaSteps.train` adds its own and applies),
+then ``gradient_noise``, then ``gradient_clip`` and ``gradient_clip_global_norm``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy
 import tensorflow as tf
 
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.optimizers import Optimizer, clip_gradients
+from returnn_tpu.optimizers import Optimizer, clip_gradients, add_gradient_noise
 from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id, without_summaries
 from returnn_tpu.strategies import is_local_sgd, syncs_in_step
 
@@ -41,6 +46,8 @@ class ReplicaSteps:
         param_sync_step: int,
         clip_value: float = 0.0,
         clip_global_norm: float = 0.0,
+        gradient_noise: float = 0.0,
+        accumulate: bool = False,
         worker_index: int = 0,
     ):
         self.strategy = strategy
@@ -49,6 +56,8 @@ class ReplicaSteps:
         self.param_sync_step = param_sync_step
         self.clip_value = clip_value
         self.clip_global_norm = clip_global_norm
+        self.gradient_noise = gradient_noise
+        self.accumulators: Optional[Dict[str, tf.Variable]] = {} if accumulate else None  # per-replica gradient sums
         self.num_replicas = strategy.num_replicas_in_sync  # over all workers
         self.local_replicas = len(strategy.extended.worker_devices)
         self.num_workers = self.num_replicas // self.local_replicas
@@ -66,6 +75,7 @@ class ReplicaSteps:
         self._jit_forward_backward = (
             tf.function(self._forward_backward_xla, autograph=False, jit_compile=True) if jit_compile else None
         )
+        self._accumulate = tf.function(self._accumulate_fn, autograph=False, reduce_retracing=not jit_compile)
         self._evaluate = tf.function(self._evaluate_fn, autograph=False, reduce_retracing=True)
         self._sync = tf.function(self._sync_fn, autograph=False)
         self._gather = tf.function(lambda value: self.strategy.gather(value, axis=0), autograph=False)
@@ -90,6 +100,14 @@ class ReplicaSteps:
         batches = self.distribute(first_step)
         self.replica_gradients.get_concrete_function(batches)
         self.optimizer.create_state(self.strategy, self.trainable_variables())
+        if self.accumulators is not None:
+            with self.strategy.scope():
+                for name in self.trainable_names:
+                    var = self.builder.variables.by_name[name]
+                    self.accumulators[name] = tf.Variable(
+                        tf.zeros(var.shape, var.dtype), trainable=False, name=f"{name}/accum_grad",
+                        synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+                    )
         self._train.get_concrete_function(batches, tf.constant(0.0))
 
     def train(self, step_batches: List, learning_rate: float) -> Tuple[Dict, Optional[object]]:
@@ -99,6 +117,11 @@ class ReplicaSteps:
             return outputs, None
         metrics, synced = outputs
         return metrics, bool(self.strategy.experimental_local_results(synced)[0]) if self.local_sgd else None
+
+    def accumulate(self, step_batches: List) -> Dict:
+        """A micro-batch of ``accum_grad_multiple_step``: adds each replica's gradients to its sums,
+        without an update. Returns the per-replica metrics."""
+        return self._accumulate(self.distribute(step_batches))
 
     def evaluate(self, step_batches: List, weights: List[float]) -> Dict:
         """Per-replica metrics of the eval network, each replica's scaled by its weight (0: padding)."""
@@ -129,7 +152,7 @@ class ReplicaSteps:
 
     def _forward_backward_xla(self, batch, replica_id: int):
         self.compiled_shapes.add(tuple(sorted((k, tuple(v.shape)) for k, v in batch.items())))
-        with without_summaries():  # summary ops have no XLA kernel (DESIGN.md fact 13)
+        with without_summaries():  # summary ops have no XLA kernel (FACTS.md, "XLA")
             return self._forward_backward(batch, replica_id)
 
     def _forward_backward(self, batch, replica_id: int):
@@ -141,12 +164,36 @@ class ReplicaSteps:
         missing = [name for name, grad in zip(names, grads) if grad is None]
         if missing:
             raise ConfigError(f"parameters {missing} get no gradient from the loss; check the network")
-        grads = clip_gradients(grads, self.clip_value, self.clip_global_norm)
         self.trainable_names = names
-        return dict(zip(names, grads)), loss_metrics(net)
+        return dict(zip(names, grads)), loss_metrics(net, train=True)
+
+    def _replica_update_gradients(self, batch):
+        """One replica's final gradients of an update: its micro-batch sums (if accumulating) plus
+        this batch's, with RETURNN's gradient noise and clipping. Returns them and the metrics."""
+        grads, metrics = self._replica_train(batch)
+        names = sorted(grads)
+        grad_list = [grads[name] for name in names]
+        if self.accumulators is not None:
+            sums = [self.accumulators[name] for name in names]
+            grad_list = [acc.read_value() + grad for acc, grad in zip(sums, grad_list)]
+            with tf.control_dependencies(grad_list):
+                resets = [acc.assign(tf.zeros_like(acc)) for acc in sums]
+            with tf.control_dependencies(resets):
+                grad_list = [tf.identity(grad) for grad in grad_list]
+        grad_list = add_gradient_noise(grad_list, self.gradient_noise)
+        grad_list = clip_gradients(grad_list, self.clip_value, self.clip_global_norm)
+        return dict(zip(names, grad_list)), metrics
+
+    def _replica_accumulate(self, batch):
+        grads, metrics = self._replica_train(batch)
+        with tf.control_dependencies([self.accumulators[name].assign_add(grad) for name, grad in grads.items()]):
+            return {key: tf.identity(value) for key, value in metrics.items()}
+
+    def _accumulate_fn(self, batch):
+        return self.strategy.run(self._replica_accumulate, args=(batch,))
 
     def _train_fn(self, batch, learning_rate):
-        grads, metrics = self.strategy.run(self._replica_train, args=(batch,))
+        grads, metrics = self.strategy.run(self._replica_update_gradients, args=(batch,))
         grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
         self.optimizer.apply(self.strategy, grads_and_vars, learning_rate)  # runs: tf.function keeps stateful ops
         return metrics
@@ -155,7 +202,7 @@ class ReplicaSteps:
         return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate))
 
     def _replica_train_and_apply(self, batch, learning_rate):
-        grads, metrics = self._replica_train(batch)
+        grads, metrics = self._replica_update_gradients(batch)
         names = sorted(grads)
         grad_list = [grads[name] for name in names]
         if not self.local_sgd:
@@ -169,7 +216,7 @@ class ReplicaSteps:
 
     def _replica_evaluate(self, batch, weight):
         net, _ = self.builder.build(batch, train=False, replica_id=static_replica_id())
-        return {key: value * weight for key, value in loss_metrics(net).items()}
+        return {key: value * weight for key, value in loss_metrics(net, train=False).items()}
 
     def _evaluate_fn(self, batch, weight):
         return self.strategy.run(self._replica_evaluate, args=(batch, weight))

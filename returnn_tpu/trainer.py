@@ -23,20 +23,18 @@ from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, defa
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
-from returnn_tpu.returnn_bridge import NetworkBuilder, check_xla_compatible
+from returnn_tpu.networks import EpochNetworks
+from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 from returnn_tpu.strategies import is_local_sgd, make_strategy
 
 METRICS_FILE = "metrics.jsonl"
+TASKS = ("train", "initialize_model")  # the tasks returnn-tpu runs itself; cli hands others to RETURNN
 
 # Options that change what is trained and that this trainer does not implement: stop, don't ignore.
 UNSUPPORTED_TRAINING_OPTIONS = {
-    "pretrain": "pretraining",
-    "accum_grad_multiple_step": "gradient accumulation",
-    "gradient_noise": "gradient noise",
     "update_batch_size": "update_batch_size",
     "use_horovod": "Horovod (use distribute_strategy instead)",
-    "get_network": "a network function (use a `network` dict)",
     "use_last_best_model": "use_last_best_model",
 }
 
@@ -129,6 +127,35 @@ class ScoreAccumulator:
         return self._normalized("error:")
 
 
+class StepProgress:
+    """RETURNN's per-step progress line at ``log_verbosity >= 5``, in RETURNN's format:
+    ``train epoch 1, step 0, cost:output 0.69, error:output 0.5, 0.123 sec/step, elapsed ...``
+    (this worker's replicas; every step reads its metrics back, as RETURNN's session run does)."""
+
+    def __init__(self, log, prefix: str):
+        self.log = log
+        self.prefix = prefix
+        self.start = time.time()
+
+    def step(self, step: int, num_steps: int, sums: Dict[str, float], seconds: float):
+        from returnn.util.basic import hms
+
+        info = {}
+        for key, value in sums.items():
+            if key.startswith(("cost:", "error:")):
+                frames = sums.get("frames:" + key.split(":", 1)[1], 0.0)
+                info[key] = value / frames if value and frames else value
+        elapsed = time.time() - self.start
+        complete = (step + 1) / max(num_steps, 1)
+        parts = [self.prefix, f"step {step}"] + [f"{k} {v}" for k, v in sorted(info.items())] + [
+            f"{seconds:.3f} sec/step",
+            f"elapsed {hms(elapsed)}",
+            f"exp. remaining {hms(elapsed / complete - elapsed)}",
+            f"complete {complete * 100:.02f}%",
+        ]
+        print(", ".join(parts), file=self.log.v5)
+
+
 def format_score(score: Dict[str, float]) -> str:
     """RETURNN's formatting: the bare number for one loss, else ``name value`` pairs."""
     if not score:
@@ -140,8 +167,8 @@ def format_score(score: Dict[str, float]) -> str:
 
 def check_supported(config):
     """Stops on config options that would change training and are not implemented."""
-    if config.value("task", "train") != "train":
-        raise ConfigError(f"task must be 'train' for returnn-tpu, got {config.value('task', '')!r}")
+    if config.value("task", "train") not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(map(repr, TASKS))} for the trainer, got {config.value('task', '')!r}")
     extern_data = config.typed_value("extern_data", None) or {}
     for key, opts in extern_data.items():
         if isinstance(opts, dict) and (opts.get("dim_tags") or opts.get("dims")):
@@ -150,10 +177,11 @@ def check_supported(config):
                 "yet; describe it with shape/dim/sparse"
             )
     for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
-        value = config.typed_value(key, None)
-        harmless = (None, False, 0, 1) if key == "accum_grad_multiple_step" else (None, False, 0)
-        if value not in harmless:
+        if config.typed_value(key, None) not in (None, False, 0):
             raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")
+    accum = config.typed_value("accum_grad_multiple_step", None)
+    if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 0):
+        raise ConfigError(f"accum_grad_multiple_step must be an int >= 1, got {accum!r}")
 
 
 class Trainer:
@@ -168,22 +196,21 @@ class Trainer:
         self.log = log
         self.cluster = cluster or Cluster("local", None)
         self.strategy = make_strategy(options, self.cluster)
-        self.builder = NetworkBuilder(config)
+        self.networks = EpochNetworks(config)
+        self.builder = NetworkBuilder(config, net_dict=self.networks.net_dict(1))
         self.optimizer = optimizer_from_config(config)
-        self.steps = ReplicaSteps(
-            self.strategy,
-            self.builder,
-            self.optimizer,
-            jit_compile=options.jit_compile,
-            param_sync_step=options.param_sync_step,
-            clip_value=config.float("gradient_clip", 0.0),
-            clip_global_norm=config.float("gradient_clip_global_norm", 0.0),
-            worker_index=self.cluster.worker_index,
-        )
+        self.accum_grad_steps = max(1, config.int("accum_grad_multiple_step", 1))
+        self.micro_steps = 0  # RETURNN's global train step: batches trained on, also within accumulation
+        self.steps = self._replica_steps()
         if self.steps.in_step and options.param_sync_time_diff:
             raise ConfigError(
                 f"distribute_options['param_sync_time_diff'] cannot be used with {options.strategy!r} "
                 "(the sync is decided inside the compiled step); use param_sync_step"
+            )
+        if self.steps.in_step and self.accum_grad_steps > 1:
+            raise ConfigError(
+                f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
+                "inside the compiled step); use 'local_sgd' or 'mirrored'"
             )
         self.info = self.builder.inspect()
         self.extern_data = self.info.extern_data
@@ -192,13 +219,12 @@ class Trainer:
         )
         if not self.train_datasets:
             raise ConfigError("config option 'train' (the training dataset) is missing")
-        self.eval_batching = BatchingOptions(config)
-        self.batching = self.eval_batching
+        self.bucket_boundaries = None
         if options.jit_compile:
             check_xla_compatible(self.builder.net_dict)
             key = self.extern_data.default_input
-            boundaries = options.bucket_boundaries or default_bucket_boundaries(self.train_datasets[0], key)
-            self.batching = BucketBatching(config, boundaries, key)
+            self.bucket_boundaries = options.bucket_boundaries or default_bucket_boundaries(self.train_datasets[0], key)
+        self._read_batching_options()
         self.dev_datasets = init_datasets(config, "dev")
         self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
         self.model_filename = config.value("model", None)
@@ -215,6 +241,71 @@ class Trainer:
         )
         self._built = False
         self._resume_epoch = 0  # the checkpoint to restore when the variables are created
+        self._network_epoch: Optional[int] = None  # the epoch whose network is built (None: none yet)
+
+    def _replica_steps(self) -> ReplicaSteps:
+        """Step functions for the builder's current network (traced on their first call)."""
+        return ReplicaSteps(
+            self.strategy,
+            self.builder,
+            self.optimizer,
+            jit_compile=self.options.jit_compile,
+            param_sync_step=self.options.param_sync_step,
+            clip_value=self.config.float("gradient_clip", 0.0),
+            clip_global_norm=self.config.float("gradient_clip_global_norm", 0.0),
+            gradient_noise=self.config.float("gradient_noise", 0.0),
+            accumulate=self.accum_grad_steps > 1,
+            worker_index=self.cluster.worker_index,
+        )
+
+    def _read_batching_options(self):
+        """RETURNN's batching options from the config (again after a network's ``#config`` set them)."""
+        self.eval_batching = BatchingOptions(self.config)
+        self.batching = self.eval_batching
+        if self.bucket_boundaries is not None:
+            self.batching = BucketBatching(self.config, self.bucket_boundaries, self.extern_data.default_input)
+
+    def use_network_of_epoch(self, epoch: int):
+        """Switches to the network ``epoch`` trains if it differs from the current one, as RETURNN's
+        ``init_train_epoch`` does.
+
+        The step functions are traced anew; parameters of the same name and shape carry over,
+        others as ``copy_param_mode`` says; the new network is seeded from the epoch it is created
+        in; and, as RETURNN builds a new graph and optimizer then, the optimizer's slots restart.
+        """
+        net_dict = self.networks.net_dict(epoch)
+        if self.networks.apply_config_updates(net_dict):
+            self._read_batching_options()
+        first = self._network_epoch is None
+        if not first and not self.networks.differs(self.builder.net_dict, net_dict):
+            return
+        reset = ()
+        if not first:
+            print(f"reinit because network description differs (epoch {epoch})", file=self.log.v3)
+            if self.networks.copy_param_mode(net_dict, epoch) == "reset":
+                reset = list(self.builder.variables.by_name)
+            elif self.networks.reset_output_layers(epoch):
+                reset = self.info.output_layer_params
+            self.optimizer.reset_slots()
+        # Resuming, RETURNN creates the network in the epoch of the checkpoint it loads.
+        seed_epoch = self._resume_epoch if first and self._resume_epoch else epoch
+        net_seed, tf_seed = self.networks.random_seeds(seed_epoch)
+        self.builder.use_network(
+            net_dict,
+            net_seed=net_seed,
+            train_param_args=self.networks.train_param_args(epoch),
+            allow_new_shapes=self.networks.changes_per_epoch,
+            reset=reset,
+        )
+        tf.random.set_seed(tf_seed)
+        if self.options.jit_compile:
+            check_xla_compatible(net_dict)
+        self.info = self.builder.inspect()
+        self.extern_data = self.info.extern_data
+        self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
+        self.steps = self._replica_steps()
+        self._built = False
+        self._network_epoch = epoch
 
     # ---- config parts -------------------------------------------------------------------------
 
@@ -242,8 +333,9 @@ class Trainer:
     # ---- model state --------------------------------------------------------------------------
 
     def model_state(self) -> Dict[str, tf.Variable]:
-        """Everything a checkpoint holds: parameters (RETURNN names) and optimizer state."""
-        state = dict(self.builder.variables.by_name)
+        """Everything a checkpoint holds: the current network's variables (RETURNN names) and the
+        optimizer state."""
+        state = self.builder.variables.network_variables()
         state.update(self.optimizer.variables())
         return state
 
@@ -251,17 +343,25 @@ class Trainer:
         """Creates all variables and traces the train step; restores the checkpoint when resuming."""
         self.steps.create_variables(first_step)
         self._built = True
+        copy_mode = self.networks.copy_param_mode(self.builder.net_dict, self._network_epoch)
+        carry_over(self.builder.variables, copy_mode, self.first_copy, log_file=self.log.v3)
         if resume_epoch:
             filename = self.epoch_filename(resume_epoch)
             print(f"load model {filename}", file=self.log.v2)
-            checkpoints.restore(filename, self.model_state())
+            # A network that changes per epoch may differ from the checkpoint's network.
+            checkpoints.restore(filename, self.model_state(), partial=self.networks.changes_per_epoch,
+                                log_file=self.log.v3)
+            self.micro_steps = int(self.optimizer.step.numpy()) * self.accum_grad_steps
+            self._resume_epoch = 0
         if is_local_sgd(self.strategy) and self.cluster.num_workers > 1:
             self.sync()  # start from one model everywhere, whatever each worker loaded
 
     def epoch_filename(self, epoch: int) -> str:
-        from returnn.engine.base import EngineBase
+        return self.networks.model_filename(self.model_filename, epoch)
 
-        return EngineBase.epoch_model_filename(self.model_filename, epoch)
+    def first_copy(self, var: tf.Variable) -> numpy.ndarray:
+        """The value of this worker's first replica's copy of ``var``."""
+        return self.strategy.experimental_local_results(var)[0].numpy()
 
     def sync(self) -> float:
         """Averages the replicas' parameters (local SGD only); returns the seconds it took."""
@@ -315,6 +415,15 @@ class Trainer:
         for epoch in range(start_epoch, self.num_epochs + 1):
             self.train_epoch(epoch)
 
+    def initialize_model(self):
+        """RETURNN's ``task = "initialize_model"``: the initial parameters of epoch 1's network,
+        written to ``model`` (no epoch suffix), as RETURNN writes them."""
+        self.use_network_of_epoch(1)
+        step_batches, _ = next(iter(self.epoch_batches(self.train_datasets, 1, train=True)))
+        self._build(step_batches, 0)
+        if self.cluster.is_chief:
+            checkpoints.save(self.model_filename, self.model_state())
+
     def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None):
         """One training step on one batch per local replica, then a local-SGD sync if one is due.
 
@@ -322,10 +431,13 @@ class Trainer:
         """
         if not self._built:
             self._build(step_batches, self._resume_epoch)
-        metrics, synced_in_step = self.steps.train(step_batches, learning_rate)
         stats = stats or EpochStats()
         stats.steps += 1
-        if is_local_sgd(self.strategy):
+        self.micro_steps += 1
+        if self.micro_steps % self.accum_grad_steps:  # RETURNN applies on every N-th global step
+            return self.steps.accumulate(step_batches)
+        metrics, synced_in_step = self.steps.train(step_batches, learning_rate)
+        if is_local_sgd(self.strategy):  # param_sync_step counts updates
             if synced_in_step is None:
                 if self.sync_schedule.step_done():
                     stats.add_sync(self.sync())
@@ -338,13 +450,21 @@ class Trainer:
 
     def train_epoch(self, epoch: int):
         """One epoch: train steps with periodic syncs, final sync, checkpoint, dev scores, logs."""
-        learning_rate = self.learning_rate_control.get_learning_rate_for_epoch(epoch)
+        self.use_network_of_epoch(epoch)
+        learning_rate = self.networks.learning_rate(epoch, self.learning_rate_control)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
         scores = ScoreAccumulator(self.strategy)
         stats = EpochStats()
+        prefix = ("pre" if self.networks.is_pretrain_epoch(epoch) else "") + f"train epoch {epoch}"  # RETURNN's
+        progress = StepProgress(self.log, prefix) if self.log.verbose[5] else None
         start = time.perf_counter()
-        for step_batches, _ in self.epoch_batches(self.train_datasets, epoch, train=True):
-            scores.add(self.train_step(step_batches, learning_rate, stats))
+        batches = self.epoch_batches(self.train_datasets, epoch, train=True)
+        for step, (step_batches, _) in enumerate(batches):
+            step_start = time.perf_counter()
+            metrics = self.train_step(step_batches, learning_rate, stats)
+            scores.add(metrics)
+            if progress:
+                progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
         if stats.steps == 0:
             raise RuntimeError(f"epoch {epoch}: the training data gave no batch for every replica")
         if is_local_sgd(self.strategy) and self.sync_schedule.steps_since_sync:
@@ -356,6 +476,10 @@ class Trainer:
         print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
         self._record_epoch(epoch, scores, dev_results, stats, learning_rate)
+
+    def local_sums(self, metrics: Dict[str, tf.Tensor]) -> Dict[str, float]:
+        """Per-replica step metrics summed over this worker's replicas (reads them back)."""
+        return {k: sum(float(v) for v in self.strategy.experimental_local_results(t)) for k, t in metrics.items()}
 
     def evaluate(self, epoch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
         """RETURNN's scores of the (averaged) model on each eval dataset: ``{"dev": {"score":..,"error":..}}``.
