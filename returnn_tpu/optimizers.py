@@ -42,12 +42,17 @@ class Optimizer:
         creates a new optimizer when the network changes between epochs. The step count stays."""
         self.slots = {}
 
+    def create_step(self, strategy: tf.distribute.Strategy):
+        """Creates the step counter (once); networks read it as RETURNN's ``global_train_step``."""
+        if self.step is None:
+            with strategy.scope():
+                self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+
     def create_state(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]):
         """Creates the step counter and the slots of ``variables`` (cross-replica context, once,
         before the first step is traced)."""
+        self.create_step(strategy)
         with strategy.scope():
-            if self.step is None:
-                self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
             for var in variables:
                 name = var_name(var)
                 if name in self.slots:

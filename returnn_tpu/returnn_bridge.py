@@ -318,11 +318,12 @@ class NetworkBuilder:
                 ),
             )
 
-    def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int):
+    def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int, global_step=None):
         """Builds a ``TFNetwork`` on ``inputs`` (data keys and ``size:<key>:<axis>`` lengths).
 
         Call inside a replica's trace. ``replica_id`` offsets the random seed, so replicas drop
-        different units (FACTS.md, "Seeds per replica"). Returns the network and its trainable parameters as
+        different units (FACTS.md, "Seeds per replica"). ``global_step`` (the optimizer's step
+        counter) is what the network's ``global_train_step`` reads (SpecAugment-style schedules do). Returns the network and its trainable parameters as
         ``(name, variable)`` pairs sorted by name (the same order on every replica).
         """
         from returnn.tf.network import TFNetwork
@@ -353,6 +354,8 @@ class NetworkBuilder:
                 train_flag=True if train else tf.constant(False),
                 eval_flag=True,
             )
+            if global_step is not None:
+                net._global_train_step_var = global_step  # else RETURNN makes its own, outside the trace
             net.construct_from_dict(self.net_dict)
             net.declare_train_params(**self.train_param_args)
             net.maybe_construct_objective()

@@ -98,6 +98,7 @@ class ReplicaSteps:
         """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
         traces the train step, on one batch per local replica."""
         batches = self.distribute(first_step)
+        self.optimizer.create_step(self.strategy)
         self.replica_gradients.get_concrete_function(batches)
         self.optimizer.create_state(self.strategy, self.trainable_variables())
         if self.accumulators is not None:
@@ -157,7 +158,7 @@ class ReplicaSteps:
 
     def _forward_backward(self, batch, replica_id: int):
         with tf.GradientTape() as tape:
-            net, params = self.builder.build(batch, train=True, replica_id=replica_id)
+            net, params = self.builder.build(batch, train=True, replica_id=replica_id, global_step=self.optimizer.step)
             objective = net.get_objective()
         names = [name for name, _ in params]
         grads = tape.gradient(objective, [var for _, var in params])
@@ -215,7 +216,9 @@ class ReplicaSteps:
         return metrics, due
 
     def _replica_evaluate(self, batch, weight):
-        net, _ = self.builder.build(batch, train=False, replica_id=static_replica_id())
+        net, _ = self.builder.build(
+            batch, train=False, replica_id=static_replica_id(), global_step=self.optimizer.step
+        )
         return {key: value * weight for key, value in loss_metrics(net, train=False).items()}
 
     def _evaluate_fn(self, batch, weight):
