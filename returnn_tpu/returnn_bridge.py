@@ -107,9 +107,11 @@ class VariableCache(tf.Module):
         self.in_network: set = set()  # names the current network uses (what a checkpoint holds)
         self.replaced: Dict[str, tf.Variable] = {}  # old variables whose new network wants another shape
         self.allow_new_shapes = False
+        self.graph_seed = 42  # TF graph-level seed of the initializers (RETURNN's per-network seed)
 
-    def start_network(self, *, allow_new_shapes: bool, drop=()):
+    def start_network(self, *, allow_new_shapes: bool, graph_seed: int, drop=()):
         """Starts a new network: ``drop`` names are initialized afresh, other names carry over."""
+        self.graph_seed = graph_seed
         for name in drop:
             self.by_name.pop(name, None)
         self.in_network = set()
@@ -126,6 +128,8 @@ class VariableCache(tf.Module):
             var = None
         if var is None:
             with tf.init_scope():
+                if callable(kwargs.get("initial_value")):
+                    kwargs["initial_value"] = self.initial_value_as_in_graph(kwargs["initial_value"])
                 var = next_creator(**kwargs)
             self.by_name[name] = var
         self.in_network.add(name)
@@ -137,6 +141,24 @@ class VariableCache(tf.Module):
             if not any(v is var for v in graph.get_collection(key)):
                 graph.add_to_collection(key, var)
         return var
+
+    def initial_value_as_in_graph(self, initial_value):
+        """The value RETURNN's initializer gives in a TF1 graph seeded with :attr:`graph_seed`.
+
+        RETURNN gives several initializers the same op seed; in a graph each such op starts the
+        same random sequence, while eager ops with one seed continue a shared one (FACTS.md,
+        "RETURNN's seeds"). A throwaway graph per variable reproduces plain RETURNN's values.
+        Initializers that need tensors of the trace keep the eager path.
+        """
+        graph = tf.Graph()
+        try:
+            with graph.as_default():
+                tf.compat.v1.set_random_seed(self.graph_seed)
+                tensor = initial_value()
+                with tf.compat.v1.Session(graph=graph) as session:
+                    return session.run(tensor)
+        except (ValueError, TypeError, tf.errors.OpError):
+            return initial_value
 
     def network_variables(self) -> Dict[str, tf.Variable]:
         """The current network's variables by name."""
@@ -287,14 +309,15 @@ class NetworkBuilder:
         self.train_param_args: Dict[str, Any] = {}
         self.variables = VariableCache()
 
-    def use_network(self, net_dict: Dict[str, Any], *, net_seed: int, train_param_args=None,
+    def use_network(self, net_dict: Dict[str, Any], *, seeds: Tuple[int, int], train_param_args=None,
                     allow_new_shapes: bool = False, reset=()):
-        """Later builds construct ``net_dict``; ``net_seed`` seeds its initializers as RETURNN's
-        network of that epoch would be seeded; ``reset`` names parameters to initialize afresh."""
+        """Later builds construct ``net_dict``; ``seeds`` (network seed, TF graph seed) seed its
+        initializers as RETURNN seeds the network of that epoch; ``reset`` names parameters to
+        initialize afresh."""
         self.net_dict = net_dict
-        self.net_seed = net_seed
+        self.net_seed, graph_seed = seeds
         self.train_param_args = dict(train_param_args or {})
-        self.variables.start_network(allow_new_shapes=allow_new_shapes, drop=reset)
+        self.variables.start_network(allow_new_shapes=allow_new_shapes, graph_seed=graph_seed, drop=reset)
 
     def inspect(self) -> "NetworkInfo":
         """Builds the network once in a throwaway TF1 graph, to learn what batching needs.

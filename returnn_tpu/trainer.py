@@ -96,8 +96,9 @@ class ScoreAccumulator:
     adds up all workers' sums once, at the end of the epoch.
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy):
+    def __init__(self, strategy: tf.distribute.Strategy, exp_loss: bool = False):
         self.strategy = strategy
+        self.exp_loss = exp_loss  # RETURNN's calculate_exp_loss: also exp(score) (perplexity)
         self.sums: Dict[str, float] = {}
 
     def add(self, metrics: Dict[str, tf.Tensor]):
@@ -119,8 +120,11 @@ class ScoreAccumulator:
         return out
 
     def score(self) -> Dict[str, float]:
-        """``{"cost:<loss>": score}``, as RETURNN's runner reports it."""
-        return self._normalized("cost:")
+        """``{"cost:<loss>": score}`` (and ``"cost:<loss>:exp"``), as RETURNN's runner reports it."""
+        scores = self._normalized("cost:")
+        if self.exp_loss:
+            scores.update({f"{key}:exp": float(numpy.exp(value)) for key, value in list(scores.items())})
+        return scores
 
     def error(self) -> Dict[str, float]:
         """``{"error:<loss>": error}`` (frame error rate)."""
@@ -230,6 +234,7 @@ class Trainer:
         self.model_filename = config.value("model", None)
         if not self.model_filename:
             raise ConfigError("config option 'model' (where checkpoints go) is missing")
+        self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
         self.save_interval = config.int("save_interval", 1)
         self.learning_rate_control = self._learning_rate_control()
@@ -289,15 +294,15 @@ class Trainer:
             self.optimizer.reset_slots()
         # Resuming, RETURNN creates the network in the epoch of the checkpoint it loads.
         seed_epoch = self._resume_epoch if first and self._resume_epoch else epoch
-        net_seed, tf_seed = self.networks.random_seeds(seed_epoch)
+        seeds = self.networks.random_seeds(seed_epoch)
         self.builder.use_network(
             net_dict,
-            net_seed=net_seed,
+            seeds=seeds,
             train_param_args=self.networks.train_param_args(epoch),
             allow_new_shapes=self.networks.changes_per_epoch,
             reset=reset,
         )
-        tf.random.set_seed(tf_seed)
+        tf.random.set_seed(seeds[1])
         if self.options.jit_compile:
             check_xla_compatible(net_dict)
         self.info = self.builder.inspect()
@@ -453,7 +458,7 @@ class Trainer:
         self.use_network_of_epoch(epoch)
         learning_rate = self.networks.learning_rate(epoch, self.learning_rate_control)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
-        scores = ScoreAccumulator(self.strategy)
+        scores = ScoreAccumulator(self.strategy, self.exp_loss)
         stats = EpochStats()
         prefix = ("pre" if self.networks.is_pretrain_epoch(epoch) else "") + f"train epoch {epoch}"  # RETURNN's
         progress = StepProgress(self.log, prefix) if self.log.verbose[5] else None
@@ -488,7 +493,7 @@ class Trainer:
         """
         results = {}
         for dataset in self.dev_datasets:
-            scores = ScoreAccumulator(self.strategy)
+            scores = ScoreAccumulator(self.strategy, self.exp_loss)
             for step_batches, weights in self.epoch_batches([dataset], epoch, train=False):
                 scores.add(self.steps.evaluate(step_batches, weights))
             scores.combine(self.sum_over_workers)

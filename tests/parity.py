@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "tests", "configs")
-STEP_COST = re.compile(r"^train epoch 1, step 0, (.*?), [0-9.]+ sec/step", re.M)
+STEP_COST = re.compile(r"^(?:pre)?train epoch 1, step 0, (.*?), [0-9.]+ sec/step", re.M)
 
 
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
