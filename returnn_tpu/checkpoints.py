@@ -60,3 +60,23 @@ def restore(prefix: str, variables: Mapping[str, tf.Variable], *, partial: bool 
             raise KeyError(f"checkpoint {prefix} has no variable {name!r} of shape {list(var.shape)}")
         else:
             print(f"checkpoint {prefix}: {name!r} not loaded (not in it, or of another shape)", file=log_file)
+
+
+def cleanup_old_models(config, learning_rate_control):
+    """RETURNN's ``cleanup_old_models``: deletes old epochs' checkpoints by RETURNN's own policy
+    (keep the last N, the best N by dev score, and the listed epochs), on our files.
+
+    RETURNN implements the policy on its engine base class; an engine that only carries the
+    config and the learning-rate control (the policy's inputs) runs it unchanged.
+    """
+    from returnn.engine.base import EngineBase
+    from returnn.tf.engine import Engine
+
+    class _Checkpoints(EngineBase):
+        delete_model = staticmethod(Engine.delete_model)
+
+        def __init__(self):  # noqa: D107  (EngineBase's start-up is done; only the policy's inputs)
+            self.config = config
+            self.learning_rate_control = learning_rate_control
+
+    _Checkpoints().cleanup_old_models()

@@ -76,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from returnn_tpu.optimizers import optimizer_from_config
     from returnn_tpu.returnn_bridge import check_xla_compatible, start_returnn
     from returnn_tpu.session_options import apply_session_options
-    from returnn_tpu.trainer import TASKS, Trainer, check_supported
+    from returnn_tpu.trainer import TASKS, NonFiniteScore, Trainer, check_supported
 
     cluster = None
     try:
@@ -109,6 +109,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteScore as exc:
+        print(f"returnn-tpu: error: {exc}", file=sys.stderr)
+        return 1
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as exc:
         if not (cluster and cluster.num_workers > 1):
             raise

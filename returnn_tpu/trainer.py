@@ -39,6 +39,10 @@ UNSUPPORTED_TRAINING_OPTIONS = {
 }
 
 
+class NonFiniteScore(RuntimeError):
+    """The epoch's train score is NaN or Inf (RETURNN stops then, unless stop_on_nonfinite_train_score is off)."""
+
+
 class SyncSchedule:
     """When local SGD averages: every ``param_sync_step`` steps, or every ``time_diff`` seconds.
 
@@ -476,11 +480,21 @@ class Trainer:
             stats.add_sync(self.sync())
         stats.seconds = time.perf_counter() - start
         scores.combine(self.sum_over_workers)
+        if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
+            "stop_on_nonfinite_train_score", True
+        ):  # RETURNN's rule; nothing of this epoch is saved
+            raise NonFiniteScore(f"{self.epoch_name(epoch)}: non-finite train score {scores.score()}; not saved")
         if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
             checkpoints.save(self.epoch_filename(epoch), self.model_state())
         print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
         self._record_epoch(epoch, scores, dev_results, stats, learning_rate)
+        if self.cluster.is_chief and self.config.bool_or_other("cleanup_old_models", None):
+            checkpoints.cleanup_old_models(self.config, self.learning_rate_control)
+
+    def epoch_name(self, epoch: int) -> str:
+        """``"epoch 3"``, or ``"pretrain epoch 1"``, as RETURNN names epochs in its log."""
+        return ("pretrain " if self.networks.is_pretrain_epoch(epoch) else "") + f"epoch {epoch}"
 
     def local_sums(self, metrics: Dict[str, tf.Tensor]) -> Dict[str, float]:
         """Per-replica step metrics summed over this worker's replicas (reads them back)."""
@@ -532,7 +546,7 @@ class Trainer:
             f"{name}: score {format_score(r['score'])} error {format_score(r['error'])}" for name, r in dev_results.items()
         )
         print(
-            f"epoch {epoch} score: {format_score(train_score)} error: {format_score(train_error)} "
+            f"{self.epoch_name(epoch)} score: {format_score(train_score)} error: {format_score(train_error)} "
             f"elapsed: {stats.seconds:.1f}s {dev_text}",
             file=self.log.v1,
         )
