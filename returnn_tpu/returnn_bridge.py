@@ -14,6 +14,7 @@ construction run inside ``strategy.run(step_fn, ...)`` (see FACTS.md):
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -54,7 +55,26 @@ def setup_returnn():
             raise ValueError(f"variable {self.name} has shape {self.shape}, not compatible with {shape}")
 
     tf_values.DistributedVariable.set_shape = set_shape_if_compatible
+    _patch_loss_with_error_signal()
     _RETURNN_READY = True
+
+
+def _patch_loss_with_error_signal():
+    """RETURNN's ``custom_gradient.generic_loss_and_error_signal`` (its native CTC loss, ...) as a
+    ``tf.custom_gradient``: RETURNN defines it with a TF1 ``Defun``, whose gradient a ``GradientTape``
+    never calls, so those losses gave no gradient (FACTS.md, "Defun gradients"). Same formula."""
+    from returnn.tf.util.basic import custom_gradient
+
+    def generic_loss_and_error_signal(loss, x, grad_x):
+        loss, x, grad_x = tf.convert_to_tensor(loss), tf.convert_to_tensor(x), tf.convert_to_tensor(grad_x)
+
+        @tf.custom_gradient
+        def loss_of(x_):
+            return tf.stop_gradient(loss), lambda grad_loss: grad_loss * grad_x
+
+        return loss_of(x)
+
+    custom_gradient.generic_loss_and_error_signal = generic_loss_and_error_signal
 
 
 def start_returnn(config_filename: str, overrides: List[str]):
@@ -274,12 +294,42 @@ class NetworkInfo:
     output_layer_params: List[str]  # variable names of the output layers (pretrain may re-initialize them)
 
 
-def extern_data_template(config, *, placeholders: bool = False):
-    """RETURNN's ``ExternData`` for the config (from ``extern_data`` or ``num_inputs``/``num_outputs``)."""
-    from returnn.tf.network import ExternData
+def fresh_dims(config) -> Dict[int, Any]:
+    """Copies of the dynamic ``Dim`` objects the config's ``extern_data`` names, by ``id`` of the original.
+
+    A ``Dim`` keeps the sizes it was given, so one shared by the builds of several replicas and
+    traces would mix their tensors (FACTS.md, "Extern data per trace"). Each build uses copies,
+    one per original, so data keys that share a dim (``dim_tags``, ``same_dim_tags_as``) still
+    share it. The result is a ``copy.deepcopy`` memo: applied to the extern data options and the
+    network dict, it replaces the originals consistently in both.
+    """
+    from returnn.tensor import Dim, batch_dim
+
+    memo: Dict[int, Any] = {}
+    for opts in (config.typed_value("extern_data", None) or {}).values():
+        if not isinstance(opts, dict):
+            continue
+        named = list(opts.get("dim_tags") or opts.get("dims") or []) + list((opts.get("same_dim_tags_as") or {}).values())
+        for dim in named:
+            if isinstance(dim, Dim) and dim is not batch_dim and dim.dimension is None and id(dim) not in memo:
+                memo[id(dim)] = Dim(None, name=dim.name, kind=dim.kind)
+    return memo
+
+
+def extern_data_template(config, *, placeholders: bool = False, dims: Optional[Dict[int, Any]] = None):
+    """RETURNN's ``ExternData`` for the config (from ``extern_data`` or ``num_inputs``/``num_outputs``),
+    with the dims of ``dims`` (see :func:`fresh_dims`) in place of the config's."""
+    from returnn.tensor import Tensor
+    from returnn.tf.network import ExternData, _extern_data_types_from_config
 
     extern_data = ExternData()
-    if placeholders:
+    if dims:
+        # RETURNN's init_from_config with the copies; the caller sets the sizes and then the batch info.
+        for key, init_args in _extern_data_types_from_config(config).items():
+            extern_data.data[key] = Tensor(name=key, **copy.deepcopy(init_args, dict(dims)))
+        extern_data.default_input = config.value("default_input", "data")
+        extern_data.default_target = config.value("target", "classes")
+    elif placeholders:
         extern_data.init_from_config(config, auto_create_placeholders=True)
     else:
         # init_from_config creates a batch-dim placeholder when no input is set yet; keep it out of
@@ -350,23 +400,30 @@ class NetworkBuilder:
         ``(name, variable)`` pairs sorted by name (the same order on every replica).
         """
         from returnn.tf.network import TFNetwork
+        from returnn.tf.util.data import BatchInfo
 
-        extern_data = extern_data_template(self.config)
+        dims = fresh_dims(self.config)
+        net_dict = copy.deepcopy(self.net_dict, dict(dims)) if dims else self.net_dict
+        extern_data = extern_data_template(self.config, dims=dims)
         for key, data in list(extern_data.data.items()):
             if key not in inputs:
                 del extern_data.data[key]
                 continue
             # A fresh tensor per replica: RETURNN attaches attributes to tensor objects (FACTS.md, "Extern data per trace").
             data.placeholder = tf.identity(inputs[key])
+            # A dim shared by several data keys gets its sizes from the first of them.
             data.size_placeholder = {
                 axis: tf.identity(inputs[size_key(key, axis)])
                 for axis, dim in enumerate(data.shape)
-                if dim is None
+                if dim is None and not _has_sizes(data.get_dim_tag(data.get_batch_axis(axis)))
             }
-        # The batch dim of extern_data_template is a stand-in; use the real one.
         first_input = next(d for d in extern_data.data.values() if d.placeholder is not None and d.have_batch_axis())
-        extern_data.get_batch_info().dim = tf.shape(first_input.placeholder)[first_input.batch_dim_axis]
-        extern_data.init_batch_info()
+        batch = tf.shape(first_input.placeholder)[first_input.batch_dim_axis]
+        if dims:  # the copies know no batch yet
+            extern_data.set_batch_info(BatchInfo.make_global_batch_info(batch))
+        else:  # the batch info of extern_data_template is a stand-in, which its dims refer to
+            extern_data.get_batch_info().dim = batch
+            extern_data.init_batch_info()
         with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator):
             net = TFNetwork(
                 config=self.config,
@@ -379,12 +436,16 @@ class NetworkBuilder:
             )
             if global_step is not None:
                 net._global_train_step_var = global_step  # else RETURNN makes its own, outside the trace
-            net.construct_from_dict(self.net_dict)
+            net.construct_from_dict(net_dict)
             net.declare_train_params(**self.train_param_args)
             net.maybe_construct_objective()
             # RETURNN reads the TRAINABLE_VARIABLES collection here, so ask while it is ours.
             params = sorted((v.name.split(":")[0], v) for v in net.get_trainable_params())
         return net, params
+
+
+def _has_sizes(dim) -> bool:
+    return dim.dyn_size_ext is not None and dim.dyn_size_ext.placeholder is not None
 
 
 def loss_metrics(net, *, train: bool) -> Dict[str, tf.Tensor]:

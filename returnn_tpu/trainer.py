@@ -177,13 +177,6 @@ def check_supported(config):
     """Stops on config options that would change training and are not implemented."""
     if config.value("task", "train") not in TASKS:
         raise ConfigError(f"task must be one of {', '.join(map(repr, TASKS))} for the trainer, got {config.value('task', '')!r}")
-    extern_data = config.typed_value("extern_data", None) or {}
-    for key, opts in extern_data.items():
-        if isinstance(opts, dict) and (opts.get("dim_tags") or opts.get("dims")):
-            raise ConfigError(
-                f"extern_data[{key!r}] uses Dim objects (dim_tags/dims), which returnn-tpu does not support "
-                "yet; describe it with shape/dim/sparse"
-            )
     for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
         if config.typed_value(key, None) not in (None, False, 0):
             raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")
