@@ -32,7 +32,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 

@@ -8,8 +8,6 @@ both see the averaged model. With several workers, worker 0 (the chief) alone wr
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import time
 from typing import Callable, Dict, List, Optional
@@ -21,14 +19,14 @@ from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
 from returnn_tpu.errors import ConfigError
+from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
-from returnn_tpu.networks import EpochNetworks
+from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 from returnn_tpu.strategies import is_local_sgd, make_strategy
 
-METRICS_FILE = "metrics.jsonl"
 TASKS = ("train", "initialize_model")  # the tasks returnn-tpu runs itself; cli hands others to RETURNN
 
 # Options that change what is trained and that this trainer does not implement: stop, don't ignore.
@@ -77,100 +75,6 @@ class SyncSchedule:
     def synced(self):
         self.steps_since_sync = 0
         self.last_sync_time = time.monotonic()
-
-
-@dataclasses.dataclass
-class EpochStats:
-    """Counts of one epoch for the log and ``metrics.jsonl``."""
-
-    steps: int = 0
-    seconds: float = 0.0
-    syncs: int = 0
-    sync_seconds: float = 0.0
-
-    def add_sync(self, seconds: float):
-        self.syncs += 1
-        self.sync_seconds += seconds
-
-
-class ScoreAccumulator:
-    """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores.
-
-    Steps add this worker's replicas' values (no communication per step); :meth:`combine`
-    adds up all workers' sums once, at the end of the epoch.
-    """
-
-    def __init__(self, strategy: tf.distribute.Strategy, exp_loss: bool = False):
-        self.strategy = strategy
-        self.exp_loss = exp_loss  # RETURNN's calculate_exp_loss: also exp(score) (perplexity)
-        self.sums: Dict[str, float] = {}
-
-    def add(self, metrics: Dict[str, tf.Tensor]):
-        """Adds per-replica step metrics (see :func:`loss_metrics`), summed over local replicas."""
-        for key, value in metrics.items():
-            local = sum(float(v) for v in self.strategy.experimental_local_results(value))
-            self.sums[key] = self.sums.get(key, 0.0) + local
-
-    def combine(self, sum_over_workers: Callable[[List[float]], List[float]]):
-        keys = sorted(self.sums)
-        self.sums = dict(zip(keys, sum_over_workers([self.sums[k] for k in keys])))
-
-    def _normalized(self, prefix: str) -> Dict[str, float]:
-        out = {}
-        for key, value in self.sums.items():
-            if key.startswith(prefix):
-                frames = self.sums.get("frames:" + key[len(prefix) :], 0.0)
-                out[key] = value / frames if frames else float("nan")
-        return out
-
-    def score(self) -> Dict[str, float]:
-        """``{"cost:<loss>": score}`` (and ``"cost:<loss>:exp"``), as RETURNN's runner reports it."""
-        scores = self._normalized("cost:")
-        if self.exp_loss:
-            scores.update({f"{key}:exp": float(numpy.exp(value)) for key, value in list(scores.items())})
-        return scores
-
-    def error(self) -> Dict[str, float]:
-        """``{"error:<loss>": error}`` (frame error rate)."""
-        return self._normalized("error:")
-
-
-class StepProgress:
-    """RETURNN's per-step progress line at ``log_verbosity >= 5``, in RETURNN's format:
-    ``train epoch 1, step 0, cost:output 0.69, error:output 0.5, 0.123 sec/step, elapsed ...``
-    (this worker's replicas; every step reads its metrics back, as RETURNN's session run does)."""
-
-    def __init__(self, log, prefix: str):
-        self.log = log
-        self.prefix = prefix
-        self.start = time.time()
-
-    def step(self, step: int, num_steps: int, sums: Dict[str, float], seconds: float):
-        from returnn.util.basic import hms
-
-        info = {}
-        for key, value in sums.items():
-            if key.startswith(("cost:", "error:")):
-                frames = sums.get("frames:" + key.split(":", 1)[1], 0.0)
-                info[key] = value / frames if value and frames else value
-        elapsed = time.time() - self.start
-        complete = (step + 1) / max(num_steps, 1)
-        parts = [self.prefix, f"step {step}"] + [f"{k} {v}" for k, v in sorted(info.items())] + [
-            f"{seconds:.3f} sec/step",
-            f"elapsed {hms(elapsed)}",
-            f"exp. remaining {hms(elapsed / complete - elapsed)}",
-            f"complete {complete * 100:.02f}%",
-        ]
-        print(", ".join(parts), file=self.log.v5)
-
-
-def format_score(score: Dict[str, float]) -> str:
-    """RETURNN's formatting: the bare number for one loss, else ``name value`` pairs."""
-    if not score:
-        return "None"
-    if len(score) == 1:
-        return str(next(iter(score.values())))
-    return " ".join(f"{key.split(':', 1)[-1]} {score[key]}" for key in sorted(score))
 
 
 def check_supported(config):
@@ -235,6 +139,11 @@ class Trainer:
         self.num_epochs = config.int("num_epochs", 5)
         self.save_interval = config.int("save_interval", 1)
         self.learning_rate_control = self._learning_rate_control()
+        self.report = EpochReport(
+            config, log, self.learning_rate_control, model_filename=self.model_filename, chief=self.cluster.is_chief,
+            static_fields={"strategy": options.strategy, "num_workers": self.cluster.num_workers,
+                           "num_replicas": self.steps.num_replicas},
+        )
         self.sync_schedule = SyncSchedule(
             options.param_sync_step,
             options.param_sync_time_diff,
@@ -481,7 +390,16 @@ class Trainer:
             checkpoints.save(self.epoch_filename(epoch), self.model_state())
         print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
-        self._record_epoch(epoch, scores, dev_results, stats, learning_rate)
+        xla = self._xla_report()
+        if xla:
+            print(
+                f"epoch {epoch}: XLA: {xla['xla_compiled_shapes']} step shapes compiled (buckets "
+                f"{list(self.batching.boundaries)}), {100 * xla['padding_fraction']:.1f}% of frames are padding, "
+                f"{xla['dropped_seqs']} sequences longer than the largest bucket dropped",
+                file=self.log.v2,
+            )
+        self.report.record(epoch, self.epoch_name(epoch), scores, dev_results, stats, learning_rate,
+                           global_step=int(self.optimizer.step.numpy()), extra=xla)
         if self.cluster.is_chief and self.config.bool_or_other("cleanup_old_models", None):
             checkpoints.cleanup_old_models(self.config, self.learning_rate_control)
 
@@ -526,64 +444,3 @@ class Trainer:
             "padding_fraction": round(self.batching.take_padding_fraction(), 4),
             "dropped_seqs": dropped,
         }
-
-    def _record_epoch(self, epoch, scores, dev_results, stats: "EpochStats", learning_rate):
-        train_score, train_error = scores.score(), scores.error()
-        lrc = self.learning_rate_control
-        errors = {"train_score": train_score, "train_error": train_error}
-        for name, result in dev_results.items():
-            errors[f"{name}_score"] = result["score"]
-            errors[f"{name}_error"] = result["error"]
-        lrc.set_epoch_error(epoch, {k: v for k, v in errors.items() if v})
-        dev_text = " ".join(
-            f"{name}: score {format_score(r['score'])} error {format_score(r['error'])}" for name, r in dev_results.items()
-        )
-        print(
-            f"{self.epoch_name(epoch)} score: {format_score(train_score)} error: {format_score(train_error)} "
-            f"elapsed: {stats.seconds:.1f}s {dev_text}",
-            file=self.log.v1,
-        )
-        print(
-            f"epoch {epoch}: {stats.steps} steps, {stats.seconds:.2f} s, "
-            f"{stats.syncs} syncs, {stats.sync_seconds:.3f} s in sync",
-            file=self.log.v2,
-        )
-        xla = self._xla_report()
-        if xla:
-            print(
-                f"epoch {epoch}: XLA: {xla['xla_compiled_shapes']} step shapes compiled (buckets "
-                f"{list(self.batching.boundaries)}), {100 * xla['padding_fraction']:.1f}% of frames are padding, "
-                f"{xla['dropped_seqs']} sequences longer than the largest bucket dropped",
-                file=self.log.v2,
-            )
-        if not self.cluster.is_chief:
-            return  # the chief alone writes the learning-rate file and metrics
-        lrc.save()
-        record = {
-            "epoch": epoch,
-            "strategy": self.options.strategy,
-            "num_workers": self.cluster.num_workers,
-            "num_replicas": self.steps.num_replicas,
-            "steps": stats.steps,
-            "learning_rate": learning_rate,
-            "train_score": _single_or_dict(train_score),
-            "train_error": _single_or_dict(train_error),
-            "seconds": round(stats.seconds, 3),
-            "syncs": stats.syncs,
-            "sync_seconds": round(stats.sync_seconds, 4),
-        }
-        if xla:
-            record.update(xla)
-        for name, result in dev_results.items():
-            record[f"{name}_score"] = _single_or_dict(result["score"])
-            record[f"{name}_error"] = _single_or_dict(result["error"])
-        metrics_path = os.path.join(os.path.dirname(os.path.abspath(self.model_filename)), METRICS_FILE)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def _single_or_dict(values: Dict[str, float]):
-    """One loss: its value; several: ``{loss_name: value}`` (as RETURNN names them in the LR file)."""
-    if len(values) == 1:
-        return next(iter(values.values()))
-    return {key.split(":", 1)[-1]: value for key, value in values.items()} or None

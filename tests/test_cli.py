@@ -55,6 +55,19 @@ def test_demo_trains_and_dev_score_improves(tmp_path):
         log = f.read()
     assert "epoch 5 score:" in log and "dev: score" in log
     assert "ignoring tf_session_opts['gpu_options']['per_process_gpu_memory_fraction']" in log
+    # TensorBoard, as RETURNN writes it beside the model: train-<time>/ and dev-<epoch>-<time>/.
+    assert tensorboard_tags(tmp_path, "train-*") == {"loss_output", "error_output", "learning_rate", "sync_seconds"}
+    assert tensorboard_tags(tmp_path, "dev-5-*") == {"loss_output", "error_output"}
+
+
+def tensorboard_tags(folder, pattern):
+    import glob
+
+    from tensorflow.python.summary.summary_iterator import summary_iterator
+
+    files = glob.glob(os.path.join(str(folder), pattern, "events.*"))
+    assert files, f"no TensorBoard events in {folder}/{pattern}"
+    return {value.tag for path in files for event in summary_iterator(path) for value in event.summary.value}
 
 
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):

@@ -15,7 +15,7 @@ import os
 import numpy
 import pytest
 
-from parity import CONFIGS, compare, run, train_epoch
+from parity import CONFIGS, compare, run
 
 CONFIG_NAMES = sorted(name[: -len(".config")] for name in os.listdir(CONFIGS) if name.endswith(".config"))
 

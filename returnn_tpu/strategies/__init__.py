@@ -11,7 +11,6 @@ from typing import Optional
 import tensorflow as tf
 
 from returnn_tpu.cluster import Cluster
-from returnn_tpu.errors import ConfigError
 from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy

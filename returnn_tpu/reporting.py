@@ -1,0 +1,214 @@
+"""What a run reports: RETURNN's epoch scores, its log lines, ``learning_rate_file``,
+``metrics.jsonl`` and TensorBoard summaries.
+
+:class:`ScoreAccumulator` sums RETURNN's per-batch costs, errors and frame counts and gives the
+epoch scores as RETURNN's runner computes them; :class:`EpochReport` writes one epoch's results
+everywhere they go (the chief alone writes files); :class:`StepProgress` is RETURNN's per-step
+line at ``log_verbosity >= 5``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy
+import tensorflow as tf
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """Counts of one epoch for the log and ``metrics.jsonl``."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    syncs: int = 0
+    sync_seconds: float = 0.0
+
+    def add_sync(self, seconds: float):
+        self.syncs += 1
+        self.sync_seconds += seconds
+
+
+class ScoreAccumulator:
+    """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores.
+
+    Steps add this worker's replicas' values (no communication per step); :meth:`combine`
+    adds up all workers' sums once, at the end of the epoch.
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy, exp_loss: bool = False):
+        self.strategy = strategy
+        self.exp_loss = exp_loss  # RETURNN's calculate_exp_loss: also exp(score) (perplexity)
+        self.sums: Dict[str, float] = {}
+
+    def add(self, metrics: Dict[str, tf.Tensor]):
+        """Adds per-replica step metrics (see :func:`loss_metrics`), summed over local replicas."""
+        for key, value in metrics.items():
+            local = sum(float(v) for v in self.strategy.experimental_local_results(value))
+            self.sums[key] = self.sums.get(key, 0.0) + local
+
+    def combine(self, sum_over_workers: Callable[[List[float]], List[float]]):
+        keys = sorted(self.sums)
+        self.sums = dict(zip(keys, sum_over_workers([self.sums[k] for k in keys])))
+
+    def _normalized(self, prefix: str) -> Dict[str, float]:
+        out = {}
+        for key, value in self.sums.items():
+            if key.startswith(prefix):
+                frames = self.sums.get("frames:" + key[len(prefix) :], 0.0)
+                out[key] = value / frames if frames else float("nan")
+        return out
+
+    def score(self) -> Dict[str, float]:
+        """``{"cost:<loss>": score}`` (and ``"cost:<loss>:exp"``), as RETURNN's runner reports it."""
+        scores = self._normalized("cost:")
+        if self.exp_loss:
+            scores.update({f"{key}:exp": float(numpy.exp(value)) for key, value in list(scores.items())})
+        return scores
+
+    def error(self) -> Dict[str, float]:
+        """``{"error:<loss>": error}`` (frame error rate)."""
+        return self._normalized("error:")
+
+
+class StepProgress:
+    """RETURNN's per-step progress line at ``log_verbosity >= 5``, in RETURNN's format:
+    ``train epoch 1, step 0, cost:output 0.69, error:output 0.5, 0.123 sec/step, elapsed ...``
+    (this worker's replicas; every step reads its metrics back, as RETURNN's session run does)."""
+
+    def __init__(self, log, prefix: str):
+        self.log = log
+        self.prefix = prefix
+        self.start = time.time()
+
+    def step(self, step: int, num_steps: int, sums: Dict[str, float], seconds: float):
+        from returnn.util.basic import hms
+
+        info = {}
+        for key, value in sums.items():
+            if key.startswith(("cost:", "error:")):
+                frames = sums.get("frames:" + key.split(":", 1)[1], 0.0)
+                info[key] = value / frames if value and frames else value
+        elapsed = time.time() - self.start
+        complete = (step + 1) / max(num_steps, 1)
+        parts = [self.prefix, f"step {step}"] + [f"{k} {v}" for k, v in sorted(info.items())] + [
+            f"{seconds:.3f} sec/step",
+            f"elapsed {hms(elapsed)}",
+            f"exp. remaining {hms(elapsed / complete - elapsed)}",
+            f"complete {complete * 100:.02f}%",
+        ]
+        print(", ".join(parts), file=self.log.v5)
+
+
+def format_score(score: Dict[str, float]) -> str:
+    """RETURNN's formatting: the bare number for one loss, else ``name value`` pairs."""
+    if not score:
+        return "None"
+    if len(score) == 1:
+        return str(next(iter(score.values())))
+    return " ".join(f"{key.split(':', 1)[-1]} {score[key]}" for key in sorted(score))
+
+
+def single_or_dict(values: Dict[str, float]):
+    """One loss: its value; several: ``{loss_name: value}`` (as RETURNN names them in the LR file)."""
+    if len(values) == 1:
+        return next(iter(values.values()))
+    return {key.split(":", 1)[-1]: value for key, value in values.items()} or None
+
+
+class EpochReport:
+    """Writes the results of each epoch: RETURNN's log lines, the learning-rate file (RETURNN's
+    ``LearningRateControl``), ``metrics.jsonl`` beside the checkpoints, and TensorBoard scalars.
+
+    TensorBoard: as RETURNN, under ``tf_log_dir`` (default: the model's folder), in ``train-<time>``
+    for the run and ``<dataset>-<epoch>-<time>`` per evaluation, with RETURNN's tag names
+    (``loss_<name>``, ``error_<name>``) plus ``learning_rate`` and ``sync_seconds``; one point per
+    epoch at the global step (RETURNN writes one per step).
+
+    :param chief: whether this worker writes files (the others only log).
+    :param static_fields: fields every ``metrics.jsonl`` record starts with (strategy, sizes).
+    """
+
+    def __init__(self, config, log, learning_rate_control, *, model_filename: str, chief: bool, static_fields: dict):
+        from returnn.util.basic import get_utc_start_time_filename_part
+
+        self.log = log
+        self.learning_rate_control = learning_rate_control
+        self.chief = chief
+        self.static_fields = static_fields
+        model_dir = os.path.dirname(os.path.abspath(model_filename))
+        self.metrics_path = os.path.join(model_dir, METRICS_FILE)
+        self.tf_log_dir = config.value("tf_log_dir", None) or model_dir
+        self.start_time = get_utc_start_time_filename_part()
+        self._train_writer = None
+
+    def record(self, epoch: int, epoch_name: str, scores: "ScoreAccumulator", dev_results: Dict[str, dict],
+               stats: "EpochStats", learning_rate: float, global_step: int, extra: Optional[dict] = None):
+        """Logs and writes one epoch; ``dev_results`` maps a dataset name to its score and error dicts."""
+        from returnn.util.basic import hms
+
+        train_score, train_error = scores.score(), scores.error()
+        errors = {"train_score": train_score, "train_error": train_error}
+        for name, result in dev_results.items():
+            errors[f"{name}_score"] = result["score"]
+            errors[f"{name}_error"] = result["error"]
+        self.learning_rate_control.set_epoch_error(epoch, {k: v for k, v in errors.items() if v})
+        print(f"{epoch_name} score: {format_score(train_score)} error: {format_score(train_error)} "
+              f"elapsed: {hms(stats.seconds)}", file=self.log.v1)
+        if dev_results:
+            print(" ".join(f"{name}: score {format_score(r['score'])} error {format_score(r['error'])}"
+                           for name, r in dev_results.items()), file=self.log.v1)
+        print(f"epoch {epoch}: {stats.steps} steps, {stats.seconds:.2f} s, "
+              f"{stats.syncs} syncs, {stats.sync_seconds:.3f} s in sync", file=self.log.v2)
+        if not self.chief:
+            return  # the chief alone writes the learning-rate file, metrics and summaries
+        self.learning_rate_control.save()
+        record = dict(self.static_fields, epoch=epoch, steps=stats.steps, learning_rate=learning_rate,
+                      train_score=single_or_dict(train_score), train_error=single_or_dict(train_error),
+                      seconds=round(stats.seconds, 3), syncs=stats.syncs, sync_seconds=round(stats.sync_seconds, 4))
+        record.update(extra or {})
+        for name, result in dev_results.items():
+            record[f"{name}_score"] = single_or_dict(result["score"])
+            record[f"{name}_error"] = single_or_dict(result["error"])
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._summaries(epoch, scores, dev_results, stats, learning_rate, global_step)
+
+    def _summaries(self, epoch, scores, dev_results, stats, learning_rate, global_step):
+        if self._train_writer is None:
+            self._train_writer = tf.summary.create_file_writer(os.path.join(self.tf_log_dir, f"train-{self.start_time}"))
+        with self._train_writer.as_default():
+            _write_scalars(scores.score(), scores.error(), global_step)
+            _scalar("learning_rate", learning_rate, global_step)
+            _scalar("sync_seconds", stats.sync_seconds, global_step)
+        self._train_writer.flush()
+        for name, result in dev_results.items():
+            writer = tf.summary.create_file_writer(os.path.join(self.tf_log_dir, f"{name}-{epoch}-{self.start_time}"))
+            with writer.as_default():
+                _write_scalars(result["score"], result["error"], global_step)
+            writer.close()
+
+
+def _write_scalars(score: Dict[str, float], error: Dict[str, float], step: int):
+    """RETURNN's summary names: ``loss_<name>`` and ``error_<name>`` (normalized per frame)."""
+    for key, value in score.items():
+        _scalar("loss_" + key.split(":", 1)[1].replace("/", "_"), value, step)
+    for key, value in error.items():
+        _scalar("error_" + key.split(":", 1)[1].replace("/", "_"), value, step)
+
+
+_SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
+    plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
+).SerializeToString()
+
+
+def _scalar(tag: str, value: float, step: int):
+    """A TensorBoard scalar through TensorFlow's own summary op (``tensorflow-cpu`` has no
+    TensorBoard package, whose ``tf.summary.scalar`` this would otherwise need)."""
+    tf.summary.write(tag, tf.constant(value, tf.float32), step=step, metadata=_SCALAR_METADATA)
