@@ -81,6 +81,14 @@ def check_supported(config):
     """Stops on config options that would change training and are not implemented."""
     if config.value("task", "train") not in TASKS:
         raise ConfigError(f"task must be one of {', '.join(map(repr, TASKS))} for the trainer, got {config.value('task', '')!r}")
+    from returnn.tensor import Dim
+
+    for key, opts in (config.typed_value("extern_data", None) or {}).items():
+        for field in ("dim_tags", "dims"):
+            dims = opts.get(field) if isinstance(opts, dict) else None
+            if dims is not None and not all(isinstance(dim, Dim) for dim in dims):
+                raise ConfigError(f"extern_data[{key!r}][{field!r}] must be a list of Dim objects "
+                                  f"(returnn.tensor.Dim, batch_dim), got {dims!r}")
     for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
         if config.typed_value(key, None) not in (None, False, 0):
             raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")

@@ -101,7 +101,7 @@ BAD_INPUT = [
     ('distribute_options = {"param_sync_step": -1}', "param_sync_step"),
     ('distribute_options = {"param_sync_step": "5"}', "param_sync_step"),
     ('distribute_options = {"num_replicas": 0}', "num_replicas"),
-    ('extern_data = {"data": {"dim_tags": ["T"]}}', "extern_data['data'] uses Dim objects"),
+    ('extern_data = {"data": {"dim_tags": ["T"]}}', "extern_data['data']['dim_tags'] must be a list of Dim objects"),
 ]
 
 
