@@ -28,25 +28,33 @@ class Optimizer:
 
     def __init__(self):
         self.slots: Dict[str, Dict[str, tf.Variable]] = {}  # variable name -> slot name -> slot variable
-        self.step: Optional[tf.Variable] = None  # applied updates (RETURNN's global_step; Adam's bias correction)
+        self.step: Optional[tf.Variable] = None  # applied updates (RETURNN's global_step)
+        # Updates since the slots were created: Adam's bias correction (TF1's beta powers) restarts
+        # with new slots, as with the new optimizer RETURNN creates for a new network.
+        self.slot_step: Optional[tf.Variable] = None
 
     def variables(self) -> Dict[str, tf.Variable]:
         """The optimizer's state by checkpoint name."""
         state = {f"{name}/{slot}": v for name, slots in self.slots.items() for slot, v in slots.items()}
         if self.step is not None:
             state["global_step"] = self.step  # RETURNN's name; its loader requires it
+            state["optimize/slot_step"] = self.slot_step
         return state
 
     def reset_slots(self):
         """Forgets the slot variables (new ones, zero, are created for the next network), as RETURNN
-        creates a new optimizer when the network changes between epochs. The step count stays."""
+        creates a new optimizer when the network changes between epochs. The step count stays;
+        the count that Adam's bias correction uses restarts."""
         self.slots = {}
+        if self.slot_step is not None:
+            self.slot_step.assign(0)
 
     def create_step(self, strategy: tf.distribute.Strategy):
         """Creates the step counter (once); networks read it as RETURNN's ``global_train_step``."""
         if self.step is None:
             with strategy.scope():
                 self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+                self.slot_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="optimize/slot_step")
 
     def create_state(self, strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable]):
         """Creates the step counter and the slots of ``variables`` (cross-replica context, once,
@@ -70,7 +78,8 @@ class Optimizer:
     ):
         """Reduces the per-replica gradients as the strategy defines, then updates all copies."""
         reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, list(grads_and_vars))
-        step = self.step.assign_add(1)
+        self.step.assign_add(1)
+        step = self.slot_step.assign_add(1)
         updates = []
         for grad, (_, var) in zip(reduced, grads_and_vars):
             slots = self.slots[var_name(var)]
@@ -89,10 +98,11 @@ class Optimizer:
     ) -> tf.Tensor:
         """In replica context (TPU-style steps): applies the gradients as given (already averaged
         for synchronous training) to this replica's copies. Returns the new step count."""
-        step = strategy.extended.update(self.step, lambda v: v.assign_add(1))
+        new_step = strategy.extended.update(self.step, lambda v: v.assign_add(1))
+        step = strategy.extended.update(self.slot_step, lambda v: v.assign_add(1))
         for grad, var in grads_and_vars:
             strategy.extended.update(var, self._apply_dense, args=(grad, self.slots[var_name(var)], learning_rate, step))
-        return step
+        return new_step
 
     def _apply_dense(self, var: tf.Variable, grad: tf.Tensor, slots: Mapping[str, tf.Variable], lr, step):
         return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=tf.cast(lr, var.dtype), delta=grad)

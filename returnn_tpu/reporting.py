@@ -82,9 +82,10 @@ class StepProgress:
     ``train epoch 1, step 0, cost:output 0.69, error:output 0.5, 0.123 sec/step, elapsed ...``
     (this worker's replicas; every step reads its metrics back, as RETURNN's session run does)."""
 
-    def __init__(self, log, prefix: str):
+    def __init__(self, log, prefix: str, exp_loss: bool = False):
         self.log = log
         self.prefix = prefix
+        self.exp_loss = exp_loss
         self.start = time.time()
 
     def step(self, step: int, num_steps: int, sums: Dict[str, float], seconds: float):
@@ -95,6 +96,8 @@ class StepProgress:
             if key.startswith(("cost:", "error:")):
                 frames = sums.get("frames:" + key.split(":", 1)[1], 0.0)
                 info[key] = value / frames if value and frames else value
+                if self.exp_loss and key.startswith("cost:"):
+                    info[key + ":exp"] = float(numpy.exp(info[key]))
         elapsed = time.time() - self.start
         complete = (step + 1) / max(num_steps, 1)
         parts = [self.prefix, f"step {step}"] + [f"{k} {v}" for k, v in sorted(info.items())] + [

@@ -375,7 +375,7 @@ class Trainer:
         scores = ScoreAccumulator(self.strategy, self.exp_loss)
         stats = EpochStats()
         prefix = ("pre" if self.networks.is_pretrain_epoch(epoch) else "") + f"train epoch {epoch}"  # RETURNN's
-        progress = StepProgress(self.log, prefix) if self.log.verbose[5] else None
+        progress = StepProgress(self.log, prefix, self.exp_loss) if self.log.verbose[5] else None
         start = time.perf_counter()
         batches = self.epoch_batches(self.train_datasets, epoch, train=True)
         for step, (step_batches, _) in enumerate(batches):

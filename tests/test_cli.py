@@ -114,3 +114,14 @@ def test_bad_input_is_a_one_line_error(tmp_path, line, option):
     assert len(lines) == 1 and option in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path) == ["train.config"]
+
+
+def test_other_tasks_run_plain_returnn_on_our_checkpoint(tmp_path):
+    """``++task eval`` is handed to plain RETURNN, which loads the checkpoint returnn-tpu wrote."""
+    (tmp_path / "train.config").write_text(SMALL_CONFIG)
+    assert run_cli(["train.config", "++num_epochs", "1"], cwd=tmp_path).returncode == 0
+    result = run_cli(["train.config", "++task", "eval", "++load_epoch", "1"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RETURNN starting up" in result.stdout and "Evaluate epoch 1" in result.stdout
+    assert "returnn-tpu: strategy" not in result.stdout  # our trainer did not run
+    assert "dev: score" in result.stdout

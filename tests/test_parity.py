@@ -10,6 +10,7 @@ replicas trains it. Plain RETURNN cannot train ``nadam`` on TF 2.21: that varian
 returnn-tpu alone.
 """
 
+import json
 import os
 
 import numpy
@@ -25,7 +26,7 @@ def write_hdf(path, num_seqs=30, seed=1):
     from returnn.datasets.hdf import SimpleHDFWriter
 
     rng = numpy.random.RandomState(seed)
-    writer = SimpleHDFWriter(str(path), dim=9, ndim=2)
+    writer = SimpleHDFWriter(str(path), dim=9, ndim=2, extra_type={"classes": (2, 1, "int32")})
     for i in range(num_seqs):
         length = rng.randint(5, 30)
         feats = rng.randn(1, length, 9).astype("float32")
@@ -66,7 +67,7 @@ def test_same_as_plain_returnn(name, tmp_path, env):
     run("returnn_tpu", config, str(tmp_path / "local_sgd"),
         ["++model", "out/model", "++distribute_strategy", "local_sgd", "++distribute_options",
          "{'num_replicas': 2, 'param_sync_step': 2}"], env=env)
-    assert os.path.exists(tmp_path / "local_sgd" / "out" / "model.001.index")
+    assert [f for f in os.listdir(tmp_path / "local_sgd" / "out") if f.endswith(".001.index")]  # (pretrain.)001
 
 
 def lr_file_scores(path):
@@ -96,3 +97,20 @@ def test_network_per_epoch_as_plain_returnn(name, epochs, tmp_path):
                 assert ours[epoch][1][key] == pytest.approx(value, rel=0.05, abs=1e-3), (epoch, key)
     checkpoint_files = lambda d: sorted(f for f in os.listdir(d) if ".index" in f)  # noqa: E731
     assert checkpoint_files(tmp_path / "ours/out") == checkpoint_files(tmp_path / "plain/out")
+    with open(tmp_path / "ours/out/metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f]
+    assert all(isinstance(m["dev_score"], (float, dict)) for m in metrics), metrics  # numeric, not None
+    # Plain RETURNN evaluates our last checkpoint (returnn-tpu hands it the task).
+    result = run("returnn_tpu", config, str(tmp_path / "ours"), args + ["++task", "eval", "++load_epoch", str(epochs)])
+    assert "Evaluate epoch" in result.stdout and "dev: score" in result.stdout
+
+
+def test_nadam_trains_where_plain_returnn_cannot(tmp_path):
+    """The hybrid config with nadam: plain RETURNN fails on TF 2.21 (Keras 3); returnn-tpu trains it."""
+    config = os.path.join(CONFIGS, "hybrid_blstm_gradnoise.config")
+    nadam = ["++adam", "0", "++nadam", "1", "++model", "out/model", "++learning_rate_file", "out/lr"]
+    with pytest.raises(AssertionError, match="returnn failed"):
+        run("returnn", config, str(tmp_path / "plain"), nadam)
+    run("returnn_tpu", config, str(tmp_path / "ours"), nadam + ["++num_epochs", "2", "++distribute_strategy", "single"])
+    scores = lr_file_scores(tmp_path / "ours/out/lr")
+    assert scores[2][1]["train_score"] < scores[1][1]["train_score"]
