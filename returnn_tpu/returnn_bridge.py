@@ -214,10 +214,14 @@ def carry_over(variables: VariableCache, copy_param_mode: Optional[str], first_c
 
 @contextlib.contextmanager
 def fresh_tf1_state() -> Iterator[None]:
-    """A fresh v1 variable store and empty variable collections for one network build.
+    """A fresh v1 variable store, empty variable collections and a root variable scope without a
+    custom getter, for one network build.
 
-    FuncGraphs share both with the outer graph by reference (FACTS.md, "Shared TF1 state"); without this, a second
-    network (the next replica, or the eval net) would see the first one's variables.
+    FuncGraphs share the store and the collections with the outer graph by reference (FACTS.md,
+    "Shared TF1 state"); without this, a second network (the next replica, or the eval net)
+    would see the first one's variables. A strategy's scope puts its own custom getter on the
+    variable scope, which RETURNN's ``reuse_params`` getters cannot be composed with (FACTS.md,
+    "Custom getters"); variables still go through the strategy's variable creator.
     """
     from tensorflow.python.ops import variable_scope
 
@@ -226,8 +230,12 @@ def fresh_tf1_state() -> Iterator[None]:
     saved = {key: list(graph.get_collection(key)) for key in keys}
     for key in keys:
         graph.get_collection_ref(key)[:] = []
+    root_scope = copy.copy(variable_scope.get_variable_scope())
+    root_scope.set_custom_getter(None)
     try:
-        with variable_scope.with_variable_store(variable_scope._VariableStore()):
+        with variable_scope.with_variable_store(variable_scope._VariableStore()), variable_scope.variable_scope(
+            root_scope, auxiliary_name_scope=False
+        ):
             yield
     finally:
         for key in keys:
