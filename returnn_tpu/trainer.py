@@ -125,21 +125,18 @@ class Trainer:
                 f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
                 "inside the compiled step); use 'local_sgd' or 'mirrored'"
             )
-        self.info = self.builder.inspect()
-        self.extern_data = self.info.extern_data
         self.train_datasets = init_datasets(
             config, "train", self.steps.local_replicas, self.steps.first_replica, options.dataset_distribution
         )
         if not self.train_datasets:
             raise ConfigError("config option 'train' (the training dataset) is missing")
+        self._inspect_network()
         self.bucket_boundaries = None
         if options.jit_compile:
-            check_xla_compatible(self.builder.net_dict)
             key = self.extern_data.default_input
             self.bucket_boundaries = options.bucket_boundaries or default_bucket_boundaries(self.train_datasets[0], key)
         self._read_batching_options()
         self.dev_datasets = init_datasets(config, "dev")
-        self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
         self.model_filename = config.value("model", None)
         if not self.model_filename:
             raise ConfigError("config option 'model' (where checkpoints go) is missing")
@@ -176,6 +173,14 @@ class Trainer:
             accumulate=self.accum_grad_steps > 1,
             worker_index=self.cluster.worker_index,
         )
+
+    def _inspect_network(self):
+        """What batching needs to know of the builder's network (and, with XLA, whether it compiles)."""
+        if self.options.jit_compile:
+            check_xla_compatible(self.builder.net_dict)
+        self.info = self.builder.inspect()
+        self.extern_data = self.info.extern_data
+        self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
 
     def _read_batching_options(self):
         """RETURNN's batching options from the config (again after a network's ``#config`` set them)."""
@@ -217,11 +222,7 @@ class Trainer:
             reset=reset,
         )
         tf.random.set_seed(seeds[1])
-        if self.options.jit_compile:
-            check_xla_compatible(net_dict)
-        self.info = self.builder.inspect()
-        self.extern_data = self.info.extern_data
-        self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
+        self._inspect_network()
         self.steps = self._replica_steps()
         self._built = False
         self._network_epoch = epoch
@@ -293,7 +294,9 @@ class Trainer:
 
     def epoch_batches(self, datasets, epoch: int, *, train: bool) -> EpochBatches:
         """This worker's batches of an epoch; with several workers, all do the same number of steps."""
-        own_copies = len(datasets) > 1  # random_seed_offset: one dataset per local replica
+        # random_seed_offset: every replica walks its own copy (also with one replica per worker);
+        # shard, and always for evaluation: one order, dealt to the replicas of all workers in turn.
+        own_copies = train and self.options.dataset_distribution == "random_seed_offset"
         ours = range(self.steps.first_replica, self.steps.first_replica + self.steps.local_replicas)
         batches = EpochBatches(
             datasets,

@@ -49,7 +49,7 @@ def write_config(path, *, strategy="local_sgd", num_seqs="60", num_epochs=2, opt
 
 def checkpoint_params(prefix):
     values = checkpoints.load(str(prefix))
-    return {k: v for k, v in values.items() if k != "global_step" and not k.endswith(OPTIMIZER_SLOTS)}
+    return {k: v for k, v in values.items() if k != "global_step" and not k.startswith("optimize/") and not k.endswith(OPTIMIZER_SLOTS)}
 
 
 def checkpoint_checksum(prefix):
@@ -93,6 +93,27 @@ def test_two_workers_local_sgd_via_tf_config(tmp_path, schedule):
     assert_trained_and_in_sync(tmp_path, result.stdout)
     assert all(m["syncs"] >= 2 for m in read_metrics(tmp_path / "out" / "metrics.jsonl"))  # not just the final one
     assert not os.path.exists(tmp_path / "out" / "lr.worker1")
+    # random_seed_offset with one replica per worker: each worker walks its whole copy (not every
+    # second batch of it), so an epoch has as many steps as the smaller copy has batches.
+    batches = [own_copy_batches(tmp_path / "train.config", worker, epoch=1) for worker in (0, 1)]
+    assert read_metrics(tmp_path / "out" / "metrics.jsonl")[0]["steps"] == min(batches), batches
+
+
+def own_copy_batches(config_path, worker: int, epoch: int) -> int:
+    """How many RETURNN batches worker ``worker``'s dataset copy has in ``epoch`` (in a subprocess)."""
+    code = (
+        "import sys; from returnn_tpu.returnn_bridge import start_returnn; "
+        "from returnn_tpu.data import BatchingOptions, init_datasets; "
+        f"config = start_returnn({str(config_path)!r}, []); "
+        f"dataset, = init_datasets(config, 'train', 1, {worker}, 'random_seed_offset'); "
+        f"dataset.init_seq_order(epoch={epoch}); "
+        "print(len(BatchingOptions(config).generate(dataset, recurrent=True, used_data_keys=['data', 'classes'], "
+        "train=True)))"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
