@@ -12,6 +12,7 @@ Call :meth:`Optimizer.apply` in cross-replica context inside the training ``tf.f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -208,20 +209,59 @@ def optimizer_from_config(config) -> Optimizer:
         ) from None
 
 
-def add_gradient_noise(grads: List[tf.Tensor], stddev: float) -> List[tf.Tensor]:
-    """RETURNN's ``gradient_noise``: zero-mean truncated-normal noise of this stddev on each gradient
-    (RETURNN's own ``add_scaled_noise_to_gradients``), drawn per replica."""
-    if not stddev:
-        return grads
-    from returnn.tf.util.basic import add_scaled_noise_to_gradients
+@dataclasses.dataclass(frozen=True)
+class GradientOptions:
+    """RETURNN's updater options that change a replica's gradients, applied in RETURNN's order.
 
-    return [grad for grad, _ in add_scaled_noise_to_gradients([(g, None) for g in grads], stddev)]
+    Read from the config by :meth:`from_config`; :meth:`final` turns one update's gradients into
+    the ones the optimizer applies. ``maximize_grad_norm`` (a second derivative) is added where the
+    gradients are computed (see :mod:`returnn_tpu.steps`).
+    """
 
+    noise: float = 0.0  # gradient_noise: stddev of truncated-normal noise
+    clip: float = 0.0  # gradient_clip: element-wise
+    clip_norm: float = 0.0  # gradient_clip_norm: per variable
+    clip_avg_norm: float = 0.0  # gradient_clip_avg_norm: per variable, by average norm
+    clip_global_norm: float = 0.0  # gradient_clip_global_norm
+    nan_inf_filter: bool = False  # gradient_nan_inf_filter: NaN/Inf entries become 0
+    norm_to_clip_to_zero: float = 0.0  # grad_norm_to_clip_to_zero: all zero above this global norm
+    maximize_grad_norm: float = 0.0
 
-def clip_gradients(grads: List[tf.Tensor], clip_value: float, clip_global_norm: float) -> List[tf.Tensor]:
-    """RETURNN's ``gradient_clip`` (element-wise) and ``gradient_clip_global_norm``, on one replica's gradients."""
-    if clip_value:
-        grads = [tf.clip_by_value(g, -clip_value, clip_value) for g in grads]
-    if clip_global_norm:
-        grads, _ = tf.clip_by_global_norm(grads, clip_global_norm)
-    return list(grads)
+    @classmethod
+    def from_config(cls, config) -> "GradientOptions":
+        return cls(
+            noise=config.float("gradient_noise", 0.0),
+            clip=config.float("gradient_clip", 0.0),
+            clip_norm=config.float("gradient_clip_norm", 0.0),
+            clip_avg_norm=config.float("gradient_clip_avg_norm", 0.0),
+            clip_global_norm=config.float("gradient_clip_global_norm", 0.0),
+            nan_inf_filter=config.bool("gradient_nan_inf_filter", False),
+            norm_to_clip_to_zero=config.float("grad_norm_to_clip_to_zero", 0.0),
+            maximize_grad_norm=config.float("maximize_grad_norm", 0.0),
+        )
+
+    def final(self, grads: List[tf.Tensor], batch_grads: List[tf.Tensor]) -> List[tf.Tensor]:
+        """``grads`` (summed over ``accum_grad_multiple_step`` micro-batches) as the optimizer gets them.
+
+        As in RETURNN's updater, the global norm that ``gradient_clip_global_norm`` and
+        ``grad_norm_to_clip_to_zero`` compare with is that of ``batch_grads``, the gradients of
+        this batch as computed, and noise (RETURNN's own function, drawn per replica) comes first.
+        """
+        if self.noise:
+            from returnn.tf.util.basic import add_scaled_noise_to_gradients
+
+            grads = [grad for grad, _ in add_scaled_noise_to_gradients([(g, None) for g in grads], self.noise)]
+        if self.clip:
+            grads = [tf.clip_by_value(g, -self.clip, self.clip) for g in grads]
+        if self.clip_norm:
+            grads = [tf.clip_by_norm(g, self.clip_norm) for g in grads]
+        if self.clip_avg_norm:
+            grads = [tf.compat.v1.clip_by_average_norm(g, self.clip_avg_norm) for g in grads]
+        batch_norm = tf.linalg.global_norm(batch_grads) if self.clip_global_norm or self.norm_to_clip_to_zero else None
+        if self.clip_global_norm:
+            grads, _ = tf.clip_by_global_norm(grads, self.clip_global_norm, use_norm=batch_norm)
+        if self.nan_inf_filter:
+            grads = [tf.where(tf.math.is_finite(g), g, tf.zeros_like(g)) for g in grads]
+        if self.norm_to_clip_to_zero:
+            grads = [tf.where(batch_norm > self.norm_to_clip_to_zero, tf.zeros_like(g), g) for g in grads]
+        return list(grads)

@@ -55,26 +55,75 @@ def setup_returnn():
             raise ValueError(f"variable {self.name} has shape {self.shape}, not compatible with {shape}")
 
     tf_values.DistributedVariable.set_shape = set_shape_if_compatible
-    _patch_loss_with_error_signal()
+    _make_returnn_gradients_tape_aware()
     _RETURNN_READY = True
 
 
-def _patch_loss_with_error_signal():
-    """RETURNN's ``custom_gradient.generic_loss_and_error_signal`` (its native CTC loss, ...) as a
-    ``tf.custom_gradient``: RETURNN defines it with a TF1 ``Defun``, whose gradient a ``GradientTape``
-    never calls, so those losses gave no gradient (FACTS.md, "Defun gradients"). Same formula."""
-    from returnn.tf.util.basic import custom_gradient
+def _make_returnn_gradients_tape_aware():
+    """RETURNN's three ways of defining gradients, made visible to a ``tf.GradientTape``.
 
-    def generic_loss_and_error_signal(loss, x, grad_x):
-        loss, x, grad_x = tf.convert_to_tensor(loss), tf.convert_to_tensor(x), tf.convert_to_tensor(grad_x)
+    RETURNN builds graphs for ``tf.gradients``; under a tape in a ``tf.function`` (FACTS.md,
+    "Gradients under a tape") each of these silently gave no gradient or the default one:
 
-        @tf.custom_gradient
-        def loss_of(x_):
-            return tf.stop_gradient(loss), lambda grad_loss: grad_loss * grad_x
+    * ``gradient_override_map`` (``safe_log``'s identity gradient, scaled gradients, ...): the tape
+      looked up the op's type, not its override. Ops are now recorded under their override.
+    * ``copy_op`` (``safe_log`` on a softmax becomes a log-softmax this way) created ops the tape
+      never saw. They are now recorded.
+    * ``CustomGradient.register`` (native CTC, synthetic gradients, ...) wraps a TF1 ``Defun``,
+      whose gradient function the tape never calls. It is now a ``tf.custom_gradient`` with the
+      same forward and gradient functions.
+    """
+    import types
 
-        return loss_of(x)
+    from returnn.tf.util import basic as tf_util
+    from tensorflow.python.eager import execute
 
-    custom_gradient.generic_loss_and_error_signal = generic_loss_and_error_signal
+    record_gradient = execute.record_gradient
+
+    def record_gradient_under_override(op_name, inputs, attrs, outputs):
+        if outputs and not tf.executing_eagerly():
+            try:
+                op_name = outputs[0].op.get_attr("_gradient_op_type").decode()
+            except (ValueError, AttributeError):
+                pass
+        return record_gradient(op_name, inputs, attrs, outputs)
+
+    execute.record_gradient = record_gradient_under_override
+
+    copy_op = tf_util.copy_op
+
+    def copy_op_on_tape(op, **kwargs):
+        new_op = copy_op(op, **kwargs)
+        if new_op.type not in tf_util._copy_op_simple_math_unary_funcs and execute.must_record_gradient():
+            attrs = []
+            for name in new_op.node_def.attr:
+                attrs += [name, new_op.get_attr(name)]
+            execute.record_gradient(new_op.type, list(new_op.inputs), tuple(attrs), list(new_op.outputs))
+        return new_op
+
+    tf_util.copy_op = copy_op_on_tape
+
+    def register(self, input_types, op, grad_op, name=None):
+        del self, name  # no graph-level registration: tf.custom_gradient needs none
+
+        def op_with_new_grad(*inputs):
+            inputs = [tf.convert_to_tensor(x, dtype=dtype) for x, dtype in zip(inputs, input_types)]
+
+            @tf.custom_gradient
+            def forward(*xs):
+                y = op(*xs)
+
+                def backward(*grads):
+                    in_grads = grad_op(types.SimpleNamespace(inputs=list(xs), outputs=[y]), *grads)
+                    return list(in_grads) if isinstance(in_grads, (list, tuple)) else [in_grads]
+
+                return y, backward
+
+            return forward(*inputs)
+
+        return op_with_new_grad
+
+    tf_util.CustomGradient.register = register
 
 
 def start_returnn(config_filename: str, overrides: List[str]):

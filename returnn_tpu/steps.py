@@ -11,10 +11,10 @@ backward pass (the RETURNN network is built inside that trace, see
   replica applies its (for synchronous training: all-reduced) gradients, and local SGD averages
   under ``tf.cond`` on the step counter, all in one program.
 
-Gradients are treated as RETURNN's updater treats them, in its order: summed over
-``accum_grad_multiple_step`` micro-batches (:meth:`ReplicaSteps.accumulate` adds a micro-batch's
-gradients to per-replica sums, the next :meth:`ReplicaSteps.train` adds its own and applies),
-then ``gradient_noise``, then ``gradient_clip`` and ``gradient_clip_global_norm``.
+Gradients are treated as RETURNN's updater treats them, in its order: ``maximize_grad_norm``
+added, summed over ``accum_grad_multiple_step`` micro-batches (:meth:`ReplicaSteps.accumulate`
+adds a micro-batch's gradients to per-replica sums, the next :meth:`ReplicaSteps.train` adds its
+own and applies), then noise and clipping (:class:`returnn_tpu.optimizers.GradientOptions`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy
 import tensorflow as tf
 
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.optimizers import Optimizer, clip_gradients, add_gradient_noise
+from returnn_tpu.optimizers import GradientOptions, Optimizer
 from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id, without_summaries
 from returnn_tpu.strategies import is_local_sgd, syncs_in_step
 
@@ -44,9 +44,7 @@ class ReplicaSteps:
         *,
         jit_compile: bool,
         param_sync_step: int,
-        clip_value: float = 0.0,
-        clip_global_norm: float = 0.0,
-        gradient_noise: float = 0.0,
+        gradients: GradientOptions = GradientOptions(),
         accumulate: bool = False,
         worker_index: int = 0,
     ):
@@ -54,9 +52,7 @@ class ReplicaSteps:
         self.builder = builder
         self.optimizer = optimizer
         self.param_sync_step = param_sync_step
-        self.clip_value = clip_value
-        self.clip_global_norm = clip_global_norm
-        self.gradient_noise = gradient_noise
+        self.gradients = gradients
         self.accumulators: Optional[Dict[str, tf.Variable]] = {} if accumulate else None  # per-replica gradient sums
         self.num_replicas = strategy.num_replicas_in_sync  # over all workers
         self.local_replicas = len(strategy.extended.worker_devices)
@@ -157,23 +153,33 @@ class ReplicaSteps:
             return self._forward_backward(batch, replica_id)
 
     def _forward_backward(self, batch, replica_id: int):
-        with tf.GradientTape() as tape:
-            net, params = self.builder.build(batch, train=True, replica_id=replica_id, global_step=self.optimizer.step)
-            objective = net.get_objective()
-        names = [name for name, _ in params]
-        grads = tape.gradient(objective, [var for _, var in params])
-        missing = [name for name, grad in zip(names, grads) if grad is None]
-        if missing:
-            raise ConfigError(f"parameters {missing} get no gradient from the loss; check the network")
+        with tf.GradientTape() as outer_tape:  # only used for maximize_grad_norm (a second derivative)
+            with tf.GradientTape() as tape:
+                net, params = self.builder.build(
+                    batch, train=True, replica_id=replica_id, global_step=self.optimizer.step
+                )
+                objective = net.get_objective()
+            names = [name for name, _ in params]
+            variables = [var for _, var in params]
+            grads = tape.gradient(objective, variables)
+            missing = [name for name, grad in zip(names, grads) if grad is None]
+            if missing:
+                raise ConfigError(f"parameters {missing} get no gradient from the loss; check the network")
+            factor = self.gradients.maximize_grad_norm
+            if factor:  # RETURNN: the gradient of -factor * global gradient norm is added
+                norm_loss = -factor * tf.linalg.global_norm(grads)
+        if factor:
+            extra = outer_tape.gradient(norm_loss, variables)
+            grads = [grad if more is None else grad + more for grad, more in zip(grads, extra)]
         self.trainable_names = names
         return dict(zip(names, grads)), loss_metrics(net, train=True)
 
     def _replica_update_gradients(self, batch):
         """One replica's final gradients of an update: its micro-batch sums (if accumulating) plus
-        this batch's, with RETURNN's gradient noise and clipping. Returns them and the metrics."""
+        this batch's, with RETURNN's noise and clipping. Returns them and the metrics."""
         grads, metrics = self._replica_train(batch)
         names = sorted(grads)
-        grad_list = [grads[name] for name in names]
+        batch_grads = grad_list = [grads[name] for name in names]
         if self.accumulators is not None:
             sums = [self.accumulators[name] for name in names]
             grad_list = [acc.read_value() + grad for acc, grad in zip(sums, grad_list)]
@@ -181,9 +187,7 @@ class ReplicaSteps:
                 resets = [acc.assign(tf.zeros_like(acc)) for acc in sums]
             with tf.control_dependencies(resets):
                 grad_list = [tf.identity(grad) for grad in grad_list]
-        grad_list = add_gradient_noise(grad_list, self.gradient_noise)
-        grad_list = clip_gradients(grad_list, self.clip_value, self.clip_global_norm)
-        return dict(zip(names, grad_list)), metrics
+        return dict(zip(names, self.gradients.final(grad_list, batch_grads))), metrics
 
     def _replica_accumulate(self, batch):
         grads, metrics = self._replica_train(batch)

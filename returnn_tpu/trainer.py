@@ -20,7 +20,7 @@ from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
-from returnn_tpu.optimizers import optimizer_from_config
+from returnn_tpu.optimizers import GradientOptions, optimizer_from_config
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
@@ -34,6 +34,9 @@ UNSUPPORTED_TRAINING_OPTIONS = {
     "update_batch_size": "update_batch_size",
     "use_horovod": "Horovod (use distribute_strategy instead)",
     "use_last_best_model": "use_last_best_model",
+    "global_norm_tag": "global norms per tag",
+    "gradient_clip_global_norm_tag": "global norms per tag",
+    "decouple_constraints": "decoupled constraints (L2 as weight decay)",
 }
 
 
@@ -167,9 +170,7 @@ class Trainer:
             self.optimizer,
             jit_compile=self.options.jit_compile,
             param_sync_step=self.options.param_sync_step,
-            clip_value=self.config.float("gradient_clip", 0.0),
-            clip_global_norm=self.config.float("gradient_clip_global_norm", 0.0),
-            gradient_noise=self.config.float("gradient_noise", 0.0),
+            gradients=GradientOptions.from_config(self.config),
             accumulate=self.accum_grad_steps > 1,
             worker_index=self.cluster.worker_index,
         )
