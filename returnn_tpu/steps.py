@@ -153,6 +153,8 @@ class ReplicaSteps:
             return self._forward_backward(batch, replica_id)
 
     def _forward_backward(self, batch, replica_id: int):
+        from returnn.log import log
+
         with tf.GradientTape() as outer_tape:  # only used for maximize_grad_norm (a second derivative)
             with tf.GradientTape() as tape:
                 net, params = self.builder.build(
@@ -163,8 +165,11 @@ class ReplicaSteps:
             variables = [var for _, var in params]
             grads = tape.gradient(objective, variables)
             missing = [name for name, grad in zip(names, grads) if grad is None]
-            if missing:
-                raise ConfigError(f"parameters {missing} get no gradient from the loss; check the network")
+            if len(missing) == len(names):
+                raise ConfigError(f"no parameter gets a gradient from the loss ({missing}); check the network")
+            if missing:  # e.g. below a stop_gradient; RETURNN's optimizer leaves them as they are, too
+                print(f"parameters {missing} get no gradient from the loss and are not trained", file=log.v2)
+                grads = [tf.zeros_like(var) if grad is None else grad for grad, var in zip(grads, variables)]
             factor = self.gradients.maximize_grad_norm
             if factor:  # RETURNN: the gradient of -factor * global gradient norm is added
                 norm_loss = -factor * tf.linalg.global_norm(grads)

@@ -83,3 +83,21 @@ def test_replicas_drop_different_units(tmp_path):
     masks = [m.numpy() for m in trainer.strategy.experimental_local_results(dropout_masks(trainer.steps.distribute([ones, ones])))]
     assert 0.3 < masks[0].mean() < 0.7 and 0.3 < masks[1].mean() < 0.7
     assert (masks[0] != masks[1]).mean() > 0.3
+
+
+def test_returnn_gradient_definitions_reach_the_tape(tmp_path, rng):
+    """RETURNN's own gradient definitions hold under the GradientTape (FACTS.md, "Gradients under a
+    tape"): a scaled_grad layer with scale 0 and shift 0 (gradient_override_map) gives the layers
+    below it a zero gradient (the plain identity gradient would not be zero), and a cross-entropy computed without the fused op (safe_log rewrites the
+    softmax with copy_op) gives the output layer a gradient, as in a TF1 graph."""
+    network = {
+        "below": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "data"},
+        "scaled": {"class": "scaled_grad", "scale": 0.0, "shift": 0.0, "from": "below"},
+        "above": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "scaled"},
+        "output": {"class": "softmax", "loss": "ce", "loss_opts": {"use_fused": False}, "from": "above"},
+    }
+    trainer = make_trainer(tmp_path, network, strategy="single", num_replicas=1)
+    grads, _ = trainer.steps.replica_gradients(trainer.steps.distribute(random_step_batches(rng, 1)))
+    for name, grad in grads.items():
+        norm = float(tf.linalg.norm(grad))
+        assert (norm == 0.0) if name.startswith("below/") else (norm > 0.0), (name, norm)
