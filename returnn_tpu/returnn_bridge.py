@@ -474,6 +474,12 @@ class NetworkBuilder:
                 for axis, dim in enumerate(data.shape)
                 if dim is None and not _has_sizes(data.get_dim_tag(data.get_batch_axis(axis)))
             }
+            # Dims made without placeholders stay "undefined" after their sizes are set, and a layer's
+            # own undefined dim (an eval layer's out_type in a rec loop) would then not be replaced
+            # by them (FACTS.md, "Extern data per trace"). RETURNN's own placeholders are defined.
+            for dim in data.dims:
+                if dim.is_dynamic() and dim._extra is not None:
+                    dim._extra.undefined = False
         first_input = next(d for d in extern_data.data.values() if d.placeholder is not None and d.have_batch_axis())
         batch = tf.shape(first_input.placeholder)[first_input.batch_dim_axis]
         if dims:  # the copies know no batch yet

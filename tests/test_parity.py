@@ -19,12 +19,6 @@ import pytest
 from parity import CONFIGS, compare, run
 
 CONFIG_NAMES = sorted(name[: -len(".config")] for name in os.listdir(CONFIGS) if name.endswith(".config"))
-# Configs plain RETURNN trains and returnn-tpu does not yet; strict, so a fix shows up as a failure here.
-KNOWN_FAILING = {
-    "att_weight_feedback": "a dim declared by an eval layer's out_type inside the rec loop gets no size when "
-    "extern data is set from given tensors (RETURNN's own placeholders work): 'need placeholder, "
-    "self.dimension or self.dyn_size for dim value'",
-}
 
 
 def write_hdf(path, num_seqs=30, seed=1):
@@ -49,14 +43,10 @@ def env(tmp_path):
 
 
 def test_there_are_enough_configs():
-    assert len(set(CONFIG_NAMES) - set(KNOWN_FAILING)) >= 12
+    assert len(CONFIG_NAMES) >= 12
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILING[n], strict=True)) if n in KNOWN_FAILING else n
-     for n in CONFIG_NAMES],
-)
+@pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_same_as_plain_returnn(name, tmp_path, env):
     config = os.path.join(CONFIGS, name + ".config")
     out = compare(config, str(tmp_path), env=env)
