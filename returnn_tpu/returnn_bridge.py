@@ -453,8 +453,9 @@ class NetworkBuilder:
 
         Call inside a replica's trace. ``replica_id`` offsets the random seed, so replicas drop
         different units (FACTS.md, "Seeds per replica"). ``global_step`` (the optimizer's step
-        counter) is what the network's ``global_train_step`` reads (SpecAugment-style schedules do). Returns the network and its trainable parameters as
-        ``(name, variable)`` pairs sorted by name (the same order on every replica).
+        counter) is what the network's ``global_train_step`` reads (SpecAugment-style schedules
+        do). Returns the network and its trainable parameters as ``(name, variable)`` pairs
+        sorted by name (the same order on every replica).
         """
         from returnn.tf.network import TFNetwork
         from returnn.tf.util.data import BatchInfo
@@ -466,7 +467,8 @@ class NetworkBuilder:
             if key not in inputs:
                 del extern_data.data[key]
                 continue
-            # A fresh tensor per replica: RETURNN attaches attributes to tensor objects (FACTS.md, "Extern data per trace").
+            # A fresh tensor per replica: RETURNN attaches attributes to tensor objects
+            # (FACTS.md, "Extern data per trace").
             data.placeholder = tf.identity(inputs[key])
             # A dim shared by several data keys gets its sizes from the first of them.
             data.size_placeholder = {
