@@ -44,16 +44,18 @@ def load(prefix: str) -> Dict[str, numpy.ndarray]:
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
 
 
-def restore(prefix: str, variables: Mapping[str, tf.Variable], *, partial: bool = False, log_file=None):
+def restore(prefix: str, variables: Mapping[str, tf.Variable], *, partial: bool = False, log_file=None,
+            fallbacks: Mapping[str, str] = None):
     """Assigns the saved values to ``variables`` (every replica's copy of a distributed variable).
 
-    Raises ``KeyError`` naming the first variable the checkpoint lacks. With ``partial`` (a
-    network that changes per epoch resumed from another epoch's checkpoint), variables the
-    checkpoint lacks or holds in another shape keep their initialization, and are logged.
+    Raises ``KeyError`` naming the first variable the checkpoint lacks. ``fallbacks`` maps a name
+    to the saved name whose value stands in for it when it is missing (older checkpoints). With
+    ``partial`` (a network that changes per epoch resumed from another epoch's checkpoint),
+    variables the checkpoint lacks or holds in another shape keep their initialization, logged.
     """
     values = load(prefix)
     for name, var in variables.items():
-        value = values.get(name)
+        value = values.get(name, values.get((fallbacks or {}).get(name)))
         if value is not None and tuple(value.shape) == tuple(var.shape):
             var.assign(value)
         elif not partial:

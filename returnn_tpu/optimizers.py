@@ -26,6 +26,8 @@ class Optimizer:
     """Plain SGD: ``var -= lr * grad``. Subclasses add slots and override :meth:`_apply_dense`."""
 
     slot_names: Tuple[str, ...] = ()
+    # Checkpoints written before the slot step existed: it equals the global step there.
+    FALLBACKS = {"optimize/slot_step": "global_step"}
 
     def __init__(self):
         self.slots: Dict[str, Dict[str, tf.Variable]] = {}  # variable name -> slot name -> slot variable

@@ -271,7 +271,7 @@ class Trainer:
             print(f"load model {filename}", file=self.log.v2)
             # A network that changes per epoch may differ from the checkpoint's network.
             checkpoints.restore(filename, self.model_state(), partial=self.networks.changes_per_epoch,
-                                log_file=self.log.v3)
+                                log_file=self.log.v3, fallbacks=self.optimizer.FALLBACKS)
             self.micro_steps = int(self.optimizer.step.numpy()) * self.accum_grad_steps
             self._resume_epoch = 0
         if is_local_sgd(self.strategy) and self.cluster.num_workers > 1:

@@ -3,6 +3,7 @@
 import os
 
 import numpy
+import pytest
 import tensorflow as tf
 
 from conftest import make_trainer, random_step_batches
@@ -67,3 +68,19 @@ def test_checkpoint_holds_optimizer_state_and_restores(tmp_path, rng):
     for name, var in state.items():
         for copy in trainer.strategy.experimental_local_results(var):
             numpy.testing.assert_array_equal(copy.numpy(), saved[name], err_msg=name)
+
+
+def test_checkpoint_without_slot_step_restores_it_from_the_global_step(tmp_path, rng):
+    """Checkpoints written before ``optimize/slot_step`` existed still resume (its value is the global step)."""
+    network = {"output": {"class": "softmax", "loss": "ce", "from": "data"}}
+    trainer = make_trainer(tmp_path, network, strategy="single", num_replicas=1, optimizer={"class": "adam"})
+    for _ in range(3):
+        trainer.train_step(random_step_batches(rng, 1), 0.01)
+    state = trainer.model_state()
+    old_style = {name: var for name, var in state.items() if name != "optimize/slot_step"}
+    checkpoints.save(str(tmp_path / "old"), old_style)
+    state["optimize/slot_step"].assign(0)
+    checkpoints.restore(str(tmp_path / "old"), state, fallbacks=trainer.optimizer.FALLBACKS)
+    assert int(state["optimize/slot_step"].numpy()) == 3
+    with pytest.raises(KeyError):
+        checkpoints.restore(str(tmp_path / "old"), state)
