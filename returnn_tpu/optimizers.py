@@ -1,8 +1,8 @@
 """RETURNN's optimizers (``optimizer = {"class": ...}``) with RETURNN's defaults, for ``tf.distribute``.
 
-Each optimizer reduces the gradients with ``strategy.extended.batch_reduce_to`` (a mean over the
-replicas for synchronous strategies; local SGD keeps each replica's own gradient) and updates
-every replica's copy with TensorFlow's fused training kernels (``ResourceApply*``), which also
+Each optimizer chooses the reduction of the gradients: for synchronous strategies their mean over
+the replicas (``strategy.extended.batch_reduce_to``); for local SGD none, each replica's gradient
+goes to its own copy. It updates every replica's copy with TensorFlow's fused training kernels (``ResourceApply*``), which also
 have XLA kernels. The update rules and defaults are those of the TF1 optimizers RETURNN creates:
 ``optimizer_epsilon`` defaults to 1e-16, ``momentum`` is read from the config, and the slot
 variables are named as TF1 names them (``<var>/Adam``, ``<var>/Adam_1``, ``<var>/Momentum``).
@@ -44,6 +44,10 @@ class Optimizer:
             state["optimize/slot_step"] = self.slot_step
         return state
 
+    def slots_by_variable(self) -> Dict[str, List[tf.Variable]]:
+        """Each variable's slot variables (variable name -> slots)."""
+        return {name: list(slots.values()) for name, slots in self.slots.items()}
+
     def reset_slots(self):
         """Forgets the slot variables (new ones, zero, are created for the next network), as RETURNN
         creates a new optimizer when the network changes between epochs. The step count stays;
@@ -78,9 +82,15 @@ class Optimizer:
         strategy: tf.distribute.Strategy,
         grads_and_vars: Sequence[Tuple[Any, tf.Variable]],
         learning_rate: tf.Tensor,
+        *,
+        reduce: bool = True,
     ):
-        """Reduces the per-replica gradients as the strategy defines, then updates all copies."""
-        reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, list(grads_and_vars))
+        """Updates all copies with the gradients: their mean over the replicas, or (``reduce``
+        False: local SGD) each replica's own."""
+        if reduce:
+            reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, list(grads_and_vars))
+        else:
+            reduced = [grad for grad, _ in grads_and_vars]
         self.step.assign_add(1)
         step = self.slot_step.assign_add(1)
         updates = []
@@ -98,14 +108,13 @@ class Optimizer:
         strategy: tf.distribute.Strategy,
         grads_and_vars: Sequence[Tuple[tf.Tensor, tf.Variable]],
         learning_rate: tf.Tensor,
-    ) -> tf.Tensor:
+    ):
         """In replica context (TPU-style steps): applies the gradients as given (already averaged
-        for synchronous training) to this replica's copies. Returns the new step count."""
-        new_step = strategy.extended.update(self.step, lambda v: v.assign_add(1))
+        for synchronous training) to this replica's copies."""
+        strategy.extended.update(self.step, lambda v: v.assign_add(1))
         step = strategy.extended.update(self.slot_step, lambda v: v.assign_add(1))
         for grad, var in grads_and_vars:
             strategy.extended.update(var, self._apply_dense, args=(grad, self.slots[var_name(var)], learning_rate, step))
-        return new_step
 
     def _apply_dense(self, var: tf.Variable, grad: tf.Tensor, slots: Mapping[str, tf.Variable], lr, step):
         return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=tf.cast(lr, var.dtype), delta=grad)

@@ -18,6 +18,13 @@ TPU_STRATEGY_NAMES = ("tpu", "local_sgd_tpu")
 CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "tpu", "local")
 DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")
 DEFAULT_PARAM_SYNC_STEP = 100
+LOCAL_SGD_STRATEGY_NAMES = ("local_sgd", "local_sgd_tpu")
+OUTER_OPTIMIZER_CLASSES = ("nesterov", "slowmo")
+OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
+SYNC_DTYPES = ("float32", "bfloat16", "float16")
+# Options of local SGD's sync; any of them with another strategy is an error, not ignored.
+LOCAL_SGD_OPTIONS = ("param_sync_step", "param_sync_time_diff", "outer_optimizer", "optimizer_state_at_sync",
+                     "sync_dtype", "local_param_sync_step", "sync_fragments")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -57,6 +64,15 @@ class DistributeOptions:
     :ivar startup_timeout: seconds to wait for all workers of a multi-worker run to come up.
     :ivar collective_timeout: seconds any one all-reduce between workers may wait.
     :ivar sync_bucket_bytes: parameters are averaged in all-reduces of about this many bytes.
+    :ivar outer_optimizer: None (plain averaging) or ``{"class": "nesterov" | "slowmo",
+        "learning_rate": .., "momentum": ..}``: an outer step on the replicas' mean change.
+    :ivar optimizer_state_at_sync: ``"keep"``, ``"average"`` or ``"reset"`` the replicas'
+        optimizer slots at a sync.
+    :ivar sync_dtype: the type the change since the last sync travels in.
+    :ivar local_param_sync_step: hierarchical averaging: the replicas of each worker average every
+        this many steps, all workers every ``param_sync_step``.
+    :ivar sync_fragments: streaming syncs: the parameters in this many fragments of about equal
+        bytes, one synced every ``param_sync_step / sync_fragments`` steps.
     """
 
     strategy: str = "single"
@@ -70,6 +86,17 @@ class DistributeOptions:
     collective_timeout: float = 1800.0
     sync_bucket_bytes: int = 32 * 1024 * 1024
     bucket_boundaries: Optional[Tuple[int, ...]] = None
+    outer_optimizer: Optional[Mapping[str, Any]] = None
+    optimizer_state_at_sync: str = "keep"
+    sync_dtype: str = "float32"
+    local_param_sync_step: Optional[int] = None
+    sync_fragments: int = 1
+
+    def in_force(self) -> dict:
+        """Every option with the value it has in this run (for ``metrics.jsonl``)."""
+        values = dataclasses.asdict(self)
+        del values["strategy"]
+        return values
 
     @classmethod
     def from_config_values(cls, strategy: Any, options: Optional[Mapping[str, Any]]) -> "DistributeOptions":
@@ -120,6 +147,72 @@ class DistributeOptions:
             kwargs["jit_compile"] = options["jit_compile"]
         else:
             kwargs["jit_compile"] = strategy in TPU_STRATEGY_NAMES  # TPUs run XLA programs only
+        kwargs.update(_sync_options(strategy, options))
         if strategy == "single" and kwargs.get("num_replicas", 1) != 1:
             raise ConfigError("distribute_options['num_replicas'] must be 1 with distribute_strategy 'single'")
         return cls(**kwargs)
+
+
+def _outer_optimizer(value: Any) -> Optional[dict]:
+    if value is None:
+        return None
+    name = "outer_optimizer"
+    if not isinstance(value, Mapping) or value.get("class") not in OUTER_OPTIMIZER_CLASSES:
+        raise ConfigError(
+            f"distribute_options[{name!r}] must be None or a dict with 'class' one of "
+            f"{', '.join(map(repr, OUTER_OPTIMIZER_CLASSES))}, got {value!r}"
+        )
+    unknown = sorted(set(value) - {"class", "learning_rate", "momentum"})
+    if unknown:
+        raise ConfigError(f"distribute_options[{name!r}] has unknown key {unknown[0]!r}; valid: 'class', "
+                          "'learning_rate', 'momentum'")
+    if "learning_rate" in value:
+        _positive_number(f"{name}']['learning_rate", value["learning_rate"])
+    momentum = value.get("momentum", 0.0)
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ConfigError(f"distribute_options[{name!r}]['momentum'] must be a number in [0, 1), got {momentum!r}")
+    return dict(value)
+
+
+def _sync_options(strategy: str, options: Mapping[str, Any]) -> dict:
+    """The local-SGD sync options, checked alone and against each other."""
+    given = [key for key in LOCAL_SGD_OPTIONS if options.get(key) is not None]
+    if given and strategy not in LOCAL_SGD_STRATEGY_NAMES:
+        raise ConfigError(
+            f"distribute_options[{given[0]!r}] is an option of local SGD; it needs distribute_strategy "
+            f"{' or '.join(map(repr, LOCAL_SGD_STRATEGY_NAMES))}, got {strategy!r}"
+        )
+    if "param_sync_step" in given and "param_sync_time_diff" in given:
+        raise ConfigError("distribute_options: give either 'param_sync_step' or 'param_sync_time_diff', not both")
+    kwargs: dict = {}
+    if "outer_optimizer" in options:
+        kwargs["outer_optimizer"] = _outer_optimizer(options["outer_optimizer"])
+    if "optimizer_state_at_sync" in options:
+        kwargs["optimizer_state_at_sync"] = _one_of(
+            "optimizer_state_at_sync", options["optimizer_state_at_sync"], OPTIMIZER_STATE_POLICIES
+        )
+    if "sync_dtype" in options:
+        kwargs["sync_dtype"] = _one_of("sync_dtype", options["sync_dtype"], SYNC_DTYPES)
+    step = options.get("param_sync_step", DEFAULT_PARAM_SYNC_STEP)
+    for key in ("local_param_sync_step", "sync_fragments"):
+        if options.get(key) is None:
+            continue
+        kwargs[key] = _positive_int(key, options[key])
+        if "param_sync_time_diff" in given:
+            raise ConfigError(f"distribute_options[{key!r}] counts steps; use 'param_sync_step', not "
+                              "'param_sync_time_diff'")
+    if kwargs.get("local_param_sync_step") is not None:
+        if kwargs["local_param_sync_step"] >= step:
+            raise ConfigError(f"distribute_options['local_param_sync_step'] must be smaller than param_sync_step "
+                              f"({step}), got {kwargs['local_param_sync_step']}")
+        if strategy == "local_sgd_tpu":
+            raise ConfigError("distribute_options['local_param_sync_step'] cannot be used with 'local_sgd_tpu' "
+                              "(one TPU host is one worker); use 'local_sgd'")
+    fragments = kwargs.get("sync_fragments", 1)
+    if fragments > step:
+        raise ConfigError(f"distribute_options['sync_fragments'] must be at most param_sync_step ({step}), "
+                          f"got {fragments}")
+    if fragments > 1 and kwargs.get("optimizer_state_at_sync") == "reset":
+        raise ConfigError("distribute_options['optimizer_state_at_sync'] 'reset' restarts Adam's bias correction "
+                          "for all parameters; it cannot be used with sync_fragments > 1")
+    return kwargs

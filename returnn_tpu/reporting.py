@@ -27,35 +27,46 @@ class EpochStats:
 
     steps: int = 0
     seconds: float = 0.0
-    syncs: int = 0
+    syncs: int = 0  # local SGD: syncs between all replicas (a fragment's sync counts as one)
+    local_syncs: int = 0  # hierarchical averaging: syncs within each worker
     sync_seconds: float = 0.0
+    sync_bytes: int = 0  # what this worker handed to collectives between replicas (syncs or gradients)
 
-    def add_sync(self, seconds: float):
-        self.syncs += 1
+    def add_sync(self, seconds: float, sent_bytes: int, local: bool = False):
+        if local:
+            self.local_syncs += 1
+        else:
+            self.syncs += 1
         self.sync_seconds += seconds
+        self.sync_bytes += sent_bytes
 
 
 class ScoreAccumulator:
     """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores.
 
-    Steps add this worker's replicas' values (no communication per step); :meth:`combine`
-    adds up all workers' sums once, at the end of the epoch.
+    Steps add this worker's replicas' values on the device (no read-back to the host, no
+    communication per step); :meth:`combine` reads them once and adds up all workers' sums, at
+    the end of the epoch.
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, exp_loss: bool = False):
         self.strategy = strategy
         self.exp_loss = exp_loss  # RETURNN's calculate_exp_loss: also exp(score) (perplexity)
-        self.sums: Dict[str, float] = {}
+        self.device_sums: Dict[str, list] = {}  # key -> running sum per local replica (device tensors)
+        self.sums: Dict[str, float] = {}  # after combine: over all replicas of all workers
 
     def add(self, metrics: Dict[str, tf.Tensor]):
-        """Adds per-replica step metrics (see :func:`loss_metrics`), summed over local replicas."""
+        """Adds per-replica step metrics (see :func:`loss_metrics`), each on its replica's device."""
         for key, value in metrics.items():
-            local = sum(float(v) for v in self.strategy.experimental_local_results(value))
-            self.sums[key] = self.sums.get(key, 0.0) + local
+            copies = [tf.cast(v, tf.float64) for v in self.strategy.experimental_local_results(value)]
+            running = self.device_sums.get(key)
+            self.device_sums[key] = copies if running is None else [a + b for a, b in zip(running, copies)]
 
     def combine(self, sum_over_workers: Callable[[List[float]], List[float]]):
-        keys = sorted(self.sums)
-        self.sums = dict(zip(keys, sum_over_workers([self.sums[k] for k in keys])))
+        """Reads the sums back (once) and adds them up over the workers."""
+        keys = sorted(self.device_sums)
+        local = [float(sum(value.numpy() for value in self.device_sums[key])) for key in keys]
+        self.sums = dict(zip(keys, sum_over_workers(local)))
 
     def _normalized(self, prefix: str) -> Dict[str, float]:
         out = {}
@@ -167,14 +178,16 @@ class EpochReport:
         if dev_results:
             print(" ".join(f"{name}: score {format_score(r['score'])} error {format_score(r['error'])}"
                            for name, r in dev_results.items()), file=self.log.v1)
-        print(f"epoch {epoch}: {stats.steps} steps, {stats.seconds:.2f} s, "
-              f"{stats.syncs} syncs, {stats.sync_seconds:.3f} s in sync", file=self.log.v2)
+        local_syncs = f" (+{stats.local_syncs} within workers)" if stats.local_syncs else ""
+        print(f"epoch {epoch}: {stats.steps} steps, {stats.seconds:.2f} s, {stats.syncs} syncs{local_syncs}, "
+              f"{stats.sync_seconds:.3f} s in sync, {stats.sync_bytes / 1e6:.3f} MB sent", file=self.log.v2)
         if not self.chief:
             return  # the chief alone writes the learning-rate file, metrics and summaries
         self.learning_rate_control.save()
         record = dict(self.static_fields, epoch=epoch, steps=stats.steps, learning_rate=learning_rate,
                       train_score=single_or_dict(train_score), train_error=single_or_dict(train_error),
-                      seconds=round(stats.seconds, 3), syncs=stats.syncs, sync_seconds=round(stats.sync_seconds, 4))
+                      seconds=round(stats.seconds, 3), syncs=stats.syncs, local_syncs=stats.local_syncs,
+                      sync_seconds=round(stats.sync_seconds, 4), sync_bytes=stats.sync_bytes)
         record.update(extra or {})
         for name, result in dev_results.items():
             record[f"{name}_score"] = single_or_dict(result["score"])

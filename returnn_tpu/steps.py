@@ -1,15 +1,18 @@
-"""The compiled functions of a training run: train step, eval step, parameter sync, gather.
+"""The compiled functions of a training run: train step, eval step, parameter sync.
 
 A train step is a ``tf.function`` that calls ``strategy.run`` on the per-replica forward and
 backward pass (the RETURNN network is built inside that trace, see
 :mod:`returnn_tpu.returnn_bridge`), optionally compiled by XLA. The update then happens
 
-* in cross-replica context (CPU/GPU strategies): :meth:`Optimizer.apply` reduces the gradients
-  as the strategy defines (local SGD: not at all) and updates every copy; local-SGD syncs are
-  separate calls of :meth:`ReplicaSteps.sync` between steps;
+* in cross-replica context (CPU/GPU strategies): :meth:`Optimizer.apply` averages the gradients
+  over the replicas (local SGD: not at all) and updates every copy; local-SGD syncs are separate
+  calls of :meth:`ReplicaSteps.sync` between steps;
 * or inside ``strategy.run`` (TPU strategies, and ``local_sgd_tpu`` on local devices): every
-  replica applies its (for synchronous training: all-reduced) gradients, and local SGD averages
-  under ``tf.cond`` on the step counter, all in one program.
+  replica applies its (for synchronous training: all-reduced) gradients, and local SGD syncs
+  under ``tf.cond`` on which fragments the host says are due, all in one program.
+
+Either way the sync itself is :mod:`returnn_tpu.sync`'s, and the host's
+:class:`returnn_tpu.sync.SyncSchedule` decides when it is due.
 
 Gradients are treated as RETURNN's updater treats them, in its order: ``maximize_grad_norm``
 added, summed over ``accum_grad_multiple_step`` micro-batches (:meth:`ReplicaSteps.accumulate`
@@ -27,12 +30,16 @@ import tensorflow as tf
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer
 from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id, without_summaries
-from returnn_tpu.strategies import is_local_sgd, syncs_in_step
+from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step
+from returnn_tpu.sync import ParameterAveraging, SyncDue, mean_over_all_replicas, mean_within_groups
+from returnn_tpu.sync import split_into_fragments
 
 
 class ReplicaSteps:
     """The step functions for one strategy, network and optimizer.
 
+    :param averaging: how local SGD combines the copies (None for synchronous strategies).
+    :param num_fragments: streaming syncs: the parameters in this many fragments of about equal bytes.
     :param worker_index: this worker's index in the cluster (0 on one machine).
     """
 
@@ -43,7 +50,8 @@ class ReplicaSteps:
         optimizer: Optimizer,
         *,
         jit_compile: bool,
-        param_sync_step: int,
+        averaging: Optional[ParameterAveraging] = None,
+        num_fragments: int = 1,
         gradients: GradientOptions = GradientOptions(),
         accumulate: bool = False,
         worker_index: int = 0,
@@ -51,7 +59,9 @@ class ReplicaSteps:
         self.strategy = strategy
         self.builder = builder
         self.optimizer = optimizer
-        self.param_sync_step = param_sync_step
+        self.averaging = averaging
+        self.num_fragments = num_fragments
+        self.fragments: List[List[str]] = []  # parameter names per fragment, known after the first trace
         self.gradients = gradients
         self.accumulators: Optional[Dict[str, tf.Variable]] = {} if accumulate else None  # per-replica gradient sums
         self.num_replicas = strategy.num_replicas_in_sync  # over all workers
@@ -59,6 +69,8 @@ class ReplicaSteps:
         self.num_workers = self.num_replicas // self.local_replicas
         self.first_replica = worker_index * self.local_replicas  # global index of this worker's first
         self.local_sgd = is_local_sgd(strategy)
+        if self.local_sgd and averaging is None:
+            raise ValueError("a local-SGD strategy needs an averaging")
         self.in_step = syncs_in_step(strategy)
         self.trainable_names: Optional[List[str]] = None  # known after the first trace
         self.compiled_shapes = set()  # input shapes the XLA replica step was compiled for
@@ -73,8 +85,8 @@ class ReplicaSteps:
         )
         self._accumulate = tf.function(self._accumulate_fn, autograph=False, reduce_retracing=not jit_compile)
         self._evaluate = tf.function(self._evaluate_fn, autograph=False, reduce_retracing=True)
-        self._sync = tf.function(self._sync_fn, autograph=False)
-        self._gather = tf.function(lambda value: self.strategy.gather(value, axis=0), autograph=False)
+        self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
+        self._start_sync = tf.function(self._start_sync_fn, autograph=False)
         # Per-replica batches -> (per-replica gradients by name, metrics), without an update.
         self.replica_gradients = tf.function(
             lambda batches: self.strategy.run(self._replica_train, args=(batches,)), autograph=False
@@ -84,11 +96,7 @@ class ReplicaSteps:
 
     def distribute(self, per_replica: List):
         """One value per local replica -> the strategy's per-replica value."""
-        if self.num_replicas == 1:
-            return per_replica[0]
-        return self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: per_replica[ctx.replica_id_in_sync_group - self.first_replica]
-        )
+        return distribute_local_values(self.strategy, per_replica, self.first_replica)
 
     def create_variables(self, first_step: List):
         """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
@@ -96,7 +104,7 @@ class ReplicaSteps:
         batches = self.distribute(first_step)
         self.optimizer.create_step(self.strategy)
         self.replica_gradients.get_concrete_function(batches)
-        self.optimizer.create_state(self.strategy, self.trainable_variables())
+        self.optimizer.create_state(self.strategy, list(self.trainable().values()))
         if self.accumulators is not None:
             with self.strategy.scope():
                 for name in self.trainable_names:
@@ -105,15 +113,24 @@ class ReplicaSteps:
                         tf.zeros(var.shape, var.dtype), trainable=False, name=f"{name}/accum_grad",
                         synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
                     )
-        self._train.get_concrete_function(batches, tf.constant(0.0))
+        if self.local_sgd:
+            sizes = {name: var.shape.num_elements() * var.dtype.size for name, var in self.trainable().items()}
+            self.fragments = split_into_fragments(sizes, self.num_fragments)
+            self.averaging.create_state(self.strategy, self.trainable())
+        self._train.get_concrete_function(*self._train_args(batches, 0.0, None))
 
-    def train(self, step_batches: List, learning_rate: float) -> Tuple[Dict, Optional[object]]:
-        """One step; returns the per-replica metrics and, for in-step local SGD, whether it synced."""
-        outputs = self._train(self.distribute(step_batches), tf.constant(learning_rate, tf.float32))
-        if not self.in_step:
-            return outputs, None
-        metrics, synced = outputs
-        return metrics, bool(self.strategy.experimental_local_results(synced)[0]) if self.local_sgd else None
+    def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue]) -> tuple:
+        args = (batches, tf.constant(learning_rate, tf.float32))
+        if self.in_step and self.local_sgd:  # which fragments the step syncs, decided by the host
+            args += (tf.constant([i in (due.fragments if due else ()) for i in range(self.num_fragments)]),)
+        return args
+
+    def train(self, step_batches: List, learning_rate: float, due: Optional[SyncDue] = None) -> Dict:
+        """One update; returns the per-replica metrics. For in-step local SGD, the step also syncs
+        what ``due`` names (the host-driven path syncs with :meth:`sync` afterwards)."""
+        if due is not None and due.local and self.in_step:
+            raise ValueError("worker-local syncs need merge_call, which the in-step path does not have")
+        return self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
 
     def accumulate(self, step_batches: List) -> Dict:
         """A micro-batch of ``accum_grad_multiple_step``: adds each replica's gradients to its sums,
@@ -125,19 +142,34 @@ class ReplicaSteps:
         weights = self.distribute([tf.constant(w, tf.float32) for w in weights])
         return self._evaluate(self.distribute(step_batches), weights)
 
-    def sync(self):
-        """Averages the trainable parameters over all replicas (local SGD)."""
-        self._sync()
+    def sync(self, due: SyncDue, learning_rate: float):
+        """Combines the copies as ``due`` says (between steps; local SGD)."""
+        self._sync(tuple(due.fragments), due.local, tf.constant(learning_rate, tf.float32))
 
-    def gather_rows(self, values: List[float]) -> numpy.ndarray:
-        """One row of ``values`` per worker, gathered from all workers (one collective)."""
-        if self.num_workers == 1:
-            return numpy.array([values], dtype=numpy.float64)
-        per_replica = self.distribute([tf.constant([values], tf.float64)] * self.local_replicas)
-        return self._gather(per_replica).numpy()[:: self.local_replicas]
+    def start_sync(self):
+        """Makes all copies, on all workers, one model and the averaging's anchor (no outer step)."""
+        self._start_sync()
 
-    def trainable_variables(self) -> List[tf.Variable]:
-        return [self.builder.variables.by_name[name] for name in self.trainable_names]
+    def sync_bytes(self, due: Optional[SyncDue] = None) -> int:
+        """Bytes this worker hands to collectives between workers for one sync of ``due`` (local SGD)
+        or, without ``due``, for one update's gradient all-reduce (synchronous strategies)."""
+        if self.num_replicas == 1:
+            return 0
+        if due is None:
+            if self.local_sgd:
+                return 0
+            return self.local_replicas * sum(v.shape.num_elements() * v.dtype.size for v in self.trainable().values())
+        if due.local:
+            return 0  # within one worker
+        variables = self.trainable()
+        names = [name for i in due.fragments for name in self.fragments[i]]
+        return self.local_replicas * self.averaging.bytes_per_replica(
+            {name: variables[name] for name in names}, self.optimizer.slots_by_variable()
+        )
+
+    def trainable(self) -> Dict[str, tf.Variable]:
+        """The trainable parameters by name."""
+        return {name: self.builder.variables.by_name[name] for name in self.trainable_names}
 
     # ---- traced ---------------------------------------------------------------------------------
 
@@ -205,24 +237,24 @@ class ReplicaSteps:
     def _train_fn(self, batch, learning_rate):
         grads, metrics = self.strategy.run(self._replica_update_gradients, args=(batch,))
         grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
-        self.optimizer.apply(self.strategy, grads_and_vars, learning_rate)  # runs: tf.function keeps stateful ops
+        # Runs although unused: tf.function keeps stateful ops.
+        self.optimizer.apply(self.strategy, grads_and_vars, learning_rate, reduce=not self.local_sgd)
         return metrics
 
-    def _train_in_replica_fn(self, batch, learning_rate):
-        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate))
+    def _train_in_replica_fn(self, batch, learning_rate, due=None):
+        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, due))
 
-    def _replica_train_and_apply(self, batch, learning_rate):
+    def _replica_train_and_apply(self, batch, learning_rate, due):
         grads, metrics = self._replica_update_gradients(batch)
         names = sorted(grads)
         grad_list = [grads[name] for name in names]
         if not self.local_sgd:
             grad_list = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, grad_list)
         variables = [self.builder.variables.by_name[name] for name in names]
-        step = self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), learning_rate)
-        due = tf.equal(tf.math.floormod(step, self.param_sync_step), 0)
-        if self.local_sgd:
-            self.strategy.extended.sync_in_replica(variables, due)
-        return metrics, due
+        self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), learning_rate)
+        for index in range(self.num_fragments if self.local_sgd else 0):  # ordered after the update (same resources)
+            tf.cond(due[index], lambda i=index: self._replica_sync((i,), False, learning_rate), lambda: tf.constant(False))
+        return metrics
 
     def _replica_evaluate(self, batch, weight):
         net, _ = self.builder.build(
@@ -233,9 +265,23 @@ class ReplicaSteps:
     def _evaluate_fn(self, batch, weight):
         return self.strategy.run(self._replica_evaluate, args=(batch, weight))
 
-    def _sync_fn(self):
-        variables = self.trainable_variables()
-        if self.in_step:
-            self.strategy.run(lambda: self.strategy.extended.sync_in_replica(variables, tf.constant(True)))
-        else:
-            self.strategy.sync(variables)
+    def _replica_sync(self, fragments: Tuple[int, ...], local: bool, learning_rate) -> tf.Tensor:
+        """In replica context: the sync of the named fragments, or a worker-local one."""
+        variables = self.trainable()
+        names = [name for i in fragments for name in self.fragments[i]] if not local else sorted(variables)
+        self.averaging.sync_in_replica(
+            self.strategy,
+            {name: variables[name] for name in names},
+            mean_within_groups(self.local_replicas) if local else mean_over_all_replicas,
+            learning_rate=learning_rate,
+            slots=self.optimizer.slots_by_variable(),
+            slot_step=self.optimizer.slot_step,
+            outer_step=not local,
+        )
+        return tf.constant(True)
+
+    def _sync_fn(self, fragments: Tuple[int, ...], local: bool, learning_rate):
+        self.strategy.run(self._replica_sync, args=(fragments, local, learning_rate))
+
+    def _start_sync_fn(self):
+        self.strategy.run(lambda: self.averaging.start_in_replica(self.strategy, self.trainable()))

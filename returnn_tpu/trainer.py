@@ -1,16 +1,17 @@
-"""The training loop: epochs, steps, local-SGD syncs, learning-rate control, checkpoints, dev scores.
+"""The training loop: epochs, steps, learning-rate control, checkpoints, dev scores.
 
-The compiled step functions are in :mod:`returnn_tpu.steps`; this module decides when they run.
-For local SGD, the replicas' parameters are averaged every ``param_sync_step`` steps (or
-``param_sync_time_diff`` seconds), and always before a checkpoint and before dev evaluation, so
-both see the averaged model. With several workers, worker 0 (the chief) alone writes files.
+The compiled step functions are in :mod:`returnn_tpu.steps`, when and how local SGD syncs in
+:mod:`returnn_tpu.sync`, what is reported in :mod:`returnn_tpu.reporting`, and the collectives
+between workers in :mod:`returnn_tpu.workers`; this module runs them in order. For local SGD,
+the copies are always combined before a checkpoint and before dev evaluation, so both see the
+combined model. With several workers, worker 0 (the chief) alone writes files.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import numpy
 import tensorflow as tf
@@ -26,6 +27,8 @@ from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, Ste
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 from returnn_tpu.strategies import is_local_sgd, make_strategy
+from returnn_tpu.sync import SyncDue, SyncSchedule, make_averaging
+from returnn_tpu.workers import WorkerCollectives
 
 TASKS = ("train", "initialize_model")  # the tasks returnn-tpu runs itself; cli hands others to RETURNN
 
@@ -42,42 +45,6 @@ UNSUPPORTED_TRAINING_OPTIONS = {
 
 class NonFiniteScore(RuntimeError):
     """The epoch's train score is NaN or Inf (RETURNN stops then, unless stop_on_nonfinite_train_score is off)."""
-
-
-class SyncSchedule:
-    """When local SGD averages: every ``param_sync_step`` steps, or every ``time_diff`` seconds.
-
-    Workers must sync at the same step. Step counts agree by construction; clocks do not, so
-    with ``time_diff`` the workers decide together every ``time_check_steps`` steps
-    (``any_worker``: one small collective): due as soon as one worker's time is up.
-    """
-
-    def __init__(
-        self,
-        param_sync_step: int,
-        time_diff: Optional[float],
-        any_worker: Callable[[bool], bool],
-        time_check_steps: int = 1,
-    ):
-        self.param_sync_step = param_sync_step
-        self.time_diff = time_diff
-        self.any_worker = any_worker
-        self.time_check_steps = time_check_steps
-        self.steps_since_sync = 0
-        self.last_sync_time = time.monotonic()
-
-    def step_done(self) -> bool:
-        """Counts one step; returns whether a sync is due now (the same answer on every worker)."""
-        self.steps_since_sync += 1
-        if self.time_diff is None:
-            return self.steps_since_sync >= self.param_sync_step
-        if self.steps_since_sync % self.time_check_steps:
-            return False
-        return self.any_worker(time.monotonic() - self.last_sync_time >= self.time_diff)
-
-    def synced(self):
-        self.steps_since_sync = 0
-        self.last_sync_time = time.monotonic()
 
 
 def check_supported(config):
@@ -112,17 +79,14 @@ class Trainer:
         self.log = log
         self.cluster = cluster or Cluster("local", None)
         self.strategy = make_strategy(options, self.cluster)
+        self.workers = WorkerCollectives(self.strategy, self.cluster.worker_index)
+        self.averaging = make_averaging(options) if is_local_sgd(self.strategy) else None
         self.networks = EpochNetworks(config)
         self.builder = NetworkBuilder(config, net_dict=self.networks.net_dict(1))
         self.optimizer = optimizer_from_config(config)
         self.accum_grad_steps = max(1, config.int("accum_grad_multiple_step", 1))
         self.micro_steps = 0  # RETURNN's global train step: batches trained on, also within accumulation
         self.steps = self._replica_steps()
-        if self.steps.in_step and options.param_sync_time_diff:
-            raise ConfigError(
-                f"distribute_options['param_sync_time_diff'] cannot be used with {options.strategy!r} "
-                "(the sync is decided inside the compiled step); use param_sync_step"
-            )
         if self.steps.in_step and self.accum_grad_steps > 1:
             raise ConfigError(
                 f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
@@ -150,14 +114,22 @@ class Trainer:
         self.report = EpochReport(
             config, log, self.learning_rate_control, model_filename=self.model_filename, chief=self.cluster.is_chief,
             static_fields={"strategy": options.strategy, "num_workers": self.cluster.num_workers,
-                           "num_replicas": self.steps.num_replicas},
+                           "num_replicas": self.steps.num_replicas, "distribute_options": options.in_force()},
         )
+        local_step = options.local_param_sync_step
+        if local_step and self.steps.local_replicas == 1:
+            print("returnn-tpu: distribute_options['local_param_sync_step'] has no effect with one replica per "
+                  "worker", file=log.v2)
+            local_step = None
         self.sync_schedule = SyncSchedule(
             options.param_sync_step,
             options.param_sync_time_diff,
-            any_worker=lambda flag: self.sum_over_workers([float(flag)])[0] > 0,
+            fragments=options.sync_fragments,
+            local_step=local_step,
+            any_worker=self.workers.any,
             time_check_steps=1 if self.cluster.num_workers == 1 else 10,
         )
+        self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
         self._built = False
         self._resume_epoch = 0  # the checkpoint to restore when the variables are created
         self._network_epoch: Optional[int] = None  # the epoch whose network is built (None: none yet)
@@ -169,7 +141,8 @@ class Trainer:
             self.builder,
             self.optimizer,
             jit_compile=self.options.jit_compile,
-            param_sync_step=self.options.param_sync_step,
+            averaging=self.averaging,
+            num_fragments=self.options.sync_fragments,
             gradients=GradientOptions.from_config(self.config),
             accumulate=self.accum_grad_steps > 1,
             worker_index=self.cluster.worker_index,
@@ -212,6 +185,8 @@ class Trainer:
             elif self.networks.reset_output_layers(epoch):
                 reset = self.info.output_layer_params
             self.optimizer.reset_slots()
+            if self.averaging:  # the new network's outer state starts from its parameters
+                self.averaging.forget_state()
         # Resuming, RETURNN creates the network in the epoch of the checkpoint it loads.
         seed_epoch = self._resume_epoch if first and self._resume_epoch else epoch
         seeds = self.networks.random_seeds(seed_epoch)
@@ -241,24 +216,18 @@ class Trainer:
 
         return EngineBase.get_train_start_epoch(self.config)
 
-    # ---- collectives between workers ---------------------------------------------------------
-
-    def all_workers(self, value: int) -> List[int]:
-        """``value`` of every worker (one collective), in worker order; just ``[value]`` alone."""
-        return [int(row[0]) for row in self.steps.gather_rows([float(value)])]
-
-    def sum_over_workers(self, values: List[float]) -> List[float]:
-        """Element-wise sums of ``values`` over all workers (one collective)."""
-        return [float(x) for x in numpy.sum(self.steps.gather_rows(values), axis=0)]
-
     # ---- model state --------------------------------------------------------------------------
 
     def model_state(self) -> Dict[str, tf.Variable]:
-        """Everything a checkpoint holds: the current network's variables (RETURNN names) and the
-        optimizer state."""
+        """Everything a checkpoint holds: the current network's variables (RETURNN names), the
+        optimizer state and the local-SGD state (anchors, outer momenta)."""
         state = self.builder.variables.network_variables()
         state.update(self.optimizer.variables())
+        state.update(self.sync_state())
         return state
+
+    def sync_state(self) -> Dict[str, tf.Variable]:
+        return self.averaging.state_variables() if self.averaging else {}
 
     def _build(self, first_step: List, resume_epoch: int):
         """Creates all variables and traces the train step; restores the checkpoint when resuming."""
@@ -270,12 +239,18 @@ class Trainer:
             filename = self.epoch_filename(resume_epoch)
             print(f"load model {filename}", file=self.log.v2)
             # A network that changes per epoch may differ from the checkpoint's network.
-            checkpoints.restore(filename, self.model_state(), partial=self.networks.changes_per_epoch,
+            model = {k: v for k, v in self.model_state().items() if k not in self.sync_state()}
+            checkpoints.restore(filename, model, partial=self.networks.changes_per_epoch,
                                 log_file=self.log.v3, fallbacks=self.optimizer.FALLBACKS)
+            # A checkpoint of a run without the outer optimizer has no outer state: it starts at 0.
+            checkpoints.restore(filename, self.sync_state(), partial=True, log_file=self.log.v3)
             self.micro_steps = int(self.optimizer.step.numpy()) * self.accum_grad_steps
             self._resume_epoch = 0
-        if is_local_sgd(self.strategy) and self.cluster.num_workers > 1:
-            self.sync()  # start from one model everywhere, whatever each worker loaded
+        if self.averaging:
+            # One model everywhere, whatever each worker loaded, and the anchor that model (at a
+            # checkpoint, the anchor is the model: checkpoints are written after a full sync).
+            self.steps.start_sync()
+            self.sync_schedule.synced()
 
     def epoch_filename(self, epoch: int) -> str:
         return self.networks.model_filename(self.model_filename, epoch)
@@ -284,12 +259,16 @@ class Trainer:
         """The value of this worker's first replica's copy of ``var``."""
         return self.strategy.experimental_local_results(var)[0].numpy()
 
-    def sync(self) -> float:
-        """Averages the replicas' parameters (local SGD only); returns the seconds it took."""
+    def sync(self, due: Optional[SyncDue] = None, stats: Optional[EpochStats] = None):
+        """Combines the replicas' copies (local SGD only) as ``due`` says, by default all of them
+        (which restarts the schedule's phase); counted in ``stats``."""
         start = time.perf_counter()
-        self.steps.sync()
-        self.sync_schedule.synced()
-        return time.perf_counter() - start
+        if due is None:
+            due = self.sync_schedule.all_fragments
+            self.sync_schedule.synced()
+        self.steps.sync(due, self.learning_rate)
+        if stats:
+            stats.add_sync(time.perf_counter() - start, self.steps.sync_bytes(due), local=due.local)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -311,13 +290,13 @@ class Trainer:
             num_slots=None if own_copies else self.steps.num_replicas,
             pad_last=not train,
         )
-        batches.limit_steps(min(self.all_workers(batches.num_steps)))
+        batches.limit_steps(min(self.workers.all_workers(batches.num_steps)))
         return batches
 
     def train(self):
         """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``."""
         start_epoch = self.start_epoch()
-        start_epochs = self.all_workers(start_epoch)
+        start_epochs = self.workers.all_workers(start_epoch)
         if len(set(start_epochs)) > 1:
             raise RuntimeError(
                 f"workers found different checkpoints to resume from (start epochs {start_epochs}); "
@@ -348,7 +327,8 @@ class Trainer:
             checkpoints.save(self.model_filename, self.model_state())
 
     def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None):
-        """One training step on one batch per local replica, then a local-SGD sync if one is due.
+        """One training step on one batch per local replica, then a local-SGD sync if one is due
+        (in the step itself on the in-step path).
 
         Returns the step's per-replica metrics (see :func:`loss_metrics`).
         """
@@ -359,16 +339,14 @@ class Trainer:
         self.micro_steps += 1
         if self.micro_steps % self.accum_grad_steps:  # RETURNN applies on every N-th global step
             return self.steps.accumulate(step_batches)
-        metrics, synced_in_step = self.steps.train(step_batches, learning_rate)
-        if is_local_sgd(self.strategy):  # param_sync_step counts updates
-            if synced_in_step is None:
-                if self.sync_schedule.step_done():
-                    stats.add_sync(self.sync())
-            elif synced_in_step:  # the step synced itself
-                stats.syncs += 1
-                self.sync_schedule.synced()
-            else:
-                self.sync_schedule.steps_since_sync += 1
+        self.learning_rate = learning_rate
+        due = self.sync_schedule.step() if self.averaging else None  # param_sync_step counts updates
+        metrics = self.steps.train(step_batches, learning_rate, due if self.steps.in_step else None)
+        stats.sync_bytes += self.steps.sync_bytes()  # synchronous strategies: the gradients
+        if due and self.steps.in_step:
+            stats.add_sync(0.0, self.steps.sync_bytes(due), local=due.local)  # inside the step: not timed
+        elif due:
+            self.sync(due, stats)
         return metrics
 
     def train_epoch(self, epoch: int):
@@ -390,10 +368,10 @@ class Trainer:
                 progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
         if stats.steps == 0:
             raise RuntimeError(f"epoch {epoch}: the training data gave no batch for every replica")
-        if is_local_sgd(self.strategy) and self.sync_schedule.steps_since_sync:
-            stats.add_sync(self.sync())
+        if self.averaging and self.sync_schedule.pending():
+            self.sync(stats=stats)
         stats.seconds = time.perf_counter() - start
-        scores.combine(self.sum_over_workers)
+        scores.combine(self.workers.sum)
         if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
             "stop_on_nonfinite_train_score", True
         ):  # RETURNN's rule; nothing of this epoch is saved
@@ -433,7 +411,7 @@ class Trainer:
             scores = ScoreAccumulator(self.strategy, self.exp_loss)
             for step_batches, weights in self.epoch_batches([dataset], epoch, train=False):
                 scores.add(self.steps.evaluate(step_batches, weights))
-            scores.combine(self.sum_over_workers)
+            scores.combine(self.workers.sum)
             results[dataset.name] = {"score": scores.score(), "error": scores.error()}
         return results
 

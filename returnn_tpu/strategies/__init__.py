@@ -26,6 +26,7 @@ __all__ = [
     "LocalSGDTPUStrategy",
     "syncs_in_step",
     "local_replica_devices",
+    "distribute_local_values",
 ]
 
 
@@ -86,3 +87,13 @@ def syncs_in_step(strategy: tf.distribute.Strategy) -> bool:
     """Whether the whole step, updates and local-SGD sync included, runs in replica context
     (TPU strategies, and ``local_sgd_tpu`` on local devices)."""
     return isinstance(strategy, tf.distribute.TPUStrategy) or getattr(strategy.extended, "in_step_sync", False)
+
+
+def distribute_local_values(strategy: tf.distribute.Strategy, values: list, first_replica: int = 0):
+    """One value per local replica (this worker's, whose first has global index ``first_replica``)
+    -> the strategy's per-replica value."""
+    if strategy.num_replicas_in_sync == 1:
+        return values[0]
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: values[ctx.replica_id_in_sync_group - first_replica]
+    )

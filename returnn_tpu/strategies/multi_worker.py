@@ -1,7 +1,7 @@
 """Strategies across worker processes: TensorFlow's collective all-reduce over gRPC, with timeouts.
 
-* :class:`MultiWorkerLocalSGDStrategy`: local SGD; steps need no communication, the periodic
-  average is one bucketed collective all-reduce over all replicas of all workers.
+* :class:`MultiWorkerLocalSGDStrategy`: local SGD; steps need no communication, a sync is one
+  bucketed collective all-reduce over all replicas of all workers (see :mod:`returnn_tpu.sync`).
 * :class:`MultiWorkerMirroredStrategy`: TensorFlow's synchronous multi-worker strategy.
 
 Both wait at most ``startup_timeout`` seconds for the cluster and stop with an error that names
@@ -21,7 +21,7 @@ import sys
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as car
 
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
+from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin
 
 
 def communication_options(collective_timeout: float, bucket_bytes: int):
@@ -89,10 +89,9 @@ class MultiWorkerMirroredStrategy(_MultiWorkerStrategy):
 
 
 class MultiWorkerLocalSGDStrategy(_MultiWorkerStrategy):
-    """Local SGD across workers: every worker trains its replicas' copies; :meth:`sync` averages all.
+    """Local SGD across workers: every worker trains its replicas' copies.
 
     Start one process per worker, each with the same ``TF_CONFIG`` cluster and its own task.
     """
 
     extended_class = MultiWorkerLocalSGDExtended
-    sync = LocalSGDStrategy.sync

@@ -2,9 +2,8 @@
 
 TPUs run one XLA program per step and replicate only through ``strategy.run`` with the inputs
 as arguments, so ``local_sgd_tpu`` runs the whole local-SGD step inside that program: each core
-applies its own gradients to its own copy, and the periodic average is a cross-replica mean
-under ``tf.cond`` on the step counter (see :class:`LocalSGDExtendedMixin`, whose code it shares
-with ``local_sgd``).
+applies its own gradients to its own copy, and the sync (:mod:`returnn_tpu.sync`, the same code
+as for ``local_sgd``) runs under ``tf.cond`` on the fragments the host says are due.
 
 Not run on a real TPU yet (none was available): what a CPU can show is tested (the error when
 no TPU is found; the in-step sync logic, with ``LocalSGDStrategy(in_step_sync=True)``).
@@ -19,7 +18,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import tpu_strategy
 
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
+from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin
 
 
 def find_tpu(strategy_name: str, tpu: Optional[str] = None):
@@ -60,8 +59,6 @@ class LocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
 
     def __init__(self, resolver):
         tf.distribute.Strategy.__init__(self, LocalSGDTPUExtended(self, resolver))  # skip TPUStrategyV2.__init__
-
-    sync = LocalSGDStrategy.sync
 
 
 def make_tpu_strategy(name: str) -> tf.distribute.Strategy:

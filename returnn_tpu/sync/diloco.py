@@ -1,0 +1,62 @@
+"""DiLoCo's outer optimizer (Douillard et al., 2023): Nesterov momentum on the averaged change.
+
+The replicas' mean change since the last sync is the negative of an outer gradient
+``g = anchor - mean(copies)``; the outer step is Nesterov momentum with (in the paper) learning
+rate 0.7 and momentum 0.9. With learning rate 1 and momentum 0 it is plain averaging.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import tensorflow as tf
+
+from returnn_tpu.sync.averaging import ParameterAveraging, assign_own_copies
+
+
+class DiLoCoAveraging(ParameterAveraging):
+    """``m = momentum * m + g``; ``new = anchor - learning_rate * (g + momentum * m)``.
+
+    The outer momentum is per parameter, the same on every replica, and in the checkpoint.
+    """
+
+    uses_anchor = True
+
+    def __init__(self, learning_rate: float = 0.7, momentum: float = 0.9, **kwargs):
+        super().__init__(**kwargs)
+        self.outer_learning_rate = learning_rate
+        self.outer_momentum = momentum
+        self.momenta: Dict[str, tf.Variable] = {}
+
+    def create_state(self, strategy, variables):
+        super().create_state(strategy, variables)
+        with strategy.scope():
+            for name, var in variables.items():
+                if name not in self.momenta:
+                    self.momenta[name] = tf.Variable(
+                        tf.zeros(var.shape, tf.float32), trainable=False, name=f"{name}/local_sgd_momentum"
+                    )
+
+    def state_variables(self):
+        state = super().state_variables()
+        state.update({var.name.split(":")[0]: var for var in self.momenta.values()})
+        return state
+
+    def forget_state(self):
+        super().forget_state()
+        self.momenta = {}
+
+    def new_momenta(self, strategy, names: List[str], outer_grads: List[tf.Tensor]) -> List[tf.Tensor]:
+        """``momentum * m + g`` for each parameter; stored, and returned (replica context)."""
+        momenta = [self.momenta[name] for name in names]
+        new = [self.outer_momentum * m + g for m, g in zip(momenta, outer_grads)]
+        assign_own_copies(strategy, momenta, new)
+        return new
+
+    def apply_mean_change(self, strategy, names, anchors, mean_changes, learning_rate):
+        outer_grads = [-change for change in mean_changes]
+        momenta = self.new_momenta(strategy, names, outer_grads)
+        return [
+            anchor - self.outer_learning_rate * (g + self.outer_momentum * m)
+            for anchor, g, m in zip(anchors, outer_grads, momenta)
+        ]

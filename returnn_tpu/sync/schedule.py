@@ -1,0 +1,90 @@
+"""When local SGD combines the replicas' copies: the one owner of that decision.
+
+The host asks :meth:`SyncSchedule.step` before every update; the answer (a :class:`SyncDue` or
+None) is the same on every worker, and both paths act on it: the host-driven path syncs after
+the step, the in-step path passes it into the compiled step. The phase restarts after every
+full sync (also the one before each checkpoint), as RETURNN's Horovod mode counts from its
+last sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncDue:
+    """What to sync after a step: ``fragments`` over all replicas, or (``local``) every parameter
+    among the replicas of each worker only."""
+
+    fragments: Tuple[int, ...] = ()
+    local: bool = False
+
+
+class SyncSchedule:
+    """Syncs every ``param_sync_step`` updates, or every ``time_diff`` seconds.
+
+    With ``fragments`` F > 1 (streaming), fragment i is synced at update ``(i + 1) * N / F`` of
+    each cycle of N updates, so each fragment once per N updates and one at a time. With
+    ``local_step`` L (hierarchical), the replicas of each worker average every L updates that
+    are not a global sync.
+
+    Step counts agree between workers by construction; clocks do not, so with ``time_diff`` the
+    workers decide together every ``time_check_steps`` steps (``any_worker``: one small
+    collective): due as soon as one worker's time is up.
+    """
+
+    def __init__(
+        self,
+        param_sync_step: int,
+        time_diff: Optional[float] = None,
+        *,
+        fragments: int = 1,
+        local_step: Optional[int] = None,
+        any_worker: Callable[[bool], bool] = bool,
+        time_check_steps: int = 1,
+    ):
+        self.param_sync_step = param_sync_step
+        self.time_diff = time_diff
+        self.num_fragments = fragments
+        self.local_step = local_step
+        self.any_worker = any_worker
+        self.time_check_steps = time_check_steps
+        # The update of a cycle after which each fragment is synced (the last one ends the cycle).
+        self.fragment_ends = [round((i + 1) * param_sync_step / fragments) for i in range(fragments)]
+        self.steps_since_sync = 0  # updates in the current cycle
+        self.last_sync_time = time.monotonic()
+
+    @property
+    def all_fragments(self) -> SyncDue:
+        return SyncDue(fragments=tuple(range(self.num_fragments)))
+
+    def step(self) -> Optional[SyncDue]:
+        """Counts one update; returns what is due after it (the same answer on every worker)."""
+        self.steps_since_sync += 1
+        if self.time_diff is not None:
+            if self.steps_since_sync % self.time_check_steps:
+                return None
+            if self.any_worker(time.monotonic() - self.last_sync_time >= self.time_diff):
+                self.synced()
+                return self.all_fragments
+            return None
+        due = tuple(i for i, end in enumerate(self.fragment_ends) if end == self.steps_since_sync)
+        if self.steps_since_sync >= self.param_sync_step:
+            self.synced()
+        if due:
+            return SyncDue(fragments=due)
+        if self.local_step and self.steps_since_sync % self.local_step == 0:
+            return SyncDue(local=True)
+        return None
+
+    def pending(self) -> bool:
+        """Whether updates happened since the last full sync."""
+        return self.steps_since_sync > 0
+
+    def synced(self):
+        """A full sync happened (the cycle ends or the epoch ends): the phase restarts."""
+        self.steps_since_sync = 0
+        self.last_sync_time = time.monotonic()
