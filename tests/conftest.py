@@ -12,10 +12,19 @@ NUM_LOGICAL_CPUS = 4
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
 )
+assert len(tf.config.list_logical_devices("CPU")) == NUM_LOGICAL_CPUS  # initialises TF: fixed from here on
 
 from returnn_tpu.returnn_bridge import setup_returnn  # noqa: E402
 
 setup_returnn()
+
+from returnn.util.basic import BackendEngine  # noqa: E402
+
+BackendEngine.select_engine(engine=BackendEngine.TensorFlowNetDict)  # as start_returnn does for the CLI
+
+from returnn.log import log  # noqa: E402
+
+log.initialize(logs=[], verbosity=[0])  # in-process trainers log nothing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

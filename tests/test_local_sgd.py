@@ -35,11 +35,15 @@ def _final_params(tmp_path, network, strategy, steps, seed, **options):
     return trainer, {name: replica_values(trainer.strategy, v) for name, v in trainer.builder.variables.by_name.items()}
 
 
-@pytest.mark.parametrize("network", [FEED_FORWARD, LSTM], ids=["feed_forward", "lstm"])
-def test_sync_every_step_equals_mirrored(tmp_path, network):
+@pytest.mark.parametrize(
+    "network,outer",
+    [(FEED_FORWARD, None), (LSTM, None), (FEED_FORWARD, {"class": "nesterov", "learning_rate": 1.0, "momentum": 0.0})],
+    ids=["feed_forward", "lstm", "feed_forward_outer_lr_1"],
+)
+def test_sync_every_step_equals_mirrored(tmp_path, network, outer):
     tf.random.set_seed(1)
     _, local = _final_params(
-        tmp_path, network, "local_sgd", 20, seed=3, distribute_options={"param_sync_step": 1}
+        tmp_path, network, "local_sgd", 20, seed=3, distribute_options={"param_sync_step": 1, "outer_optimizer": outer}
     )
     tf.random.set_seed(1)
     _, mirrored = _final_params(tmp_path, network, "mirrored", 20, seed=3)

@@ -5,7 +5,9 @@ for the in-step path alike. The collective is a parameter, a function from this 
 of tensors to their means: :func:`mean_over_all_replicas` (every replica of every worker) or
 :func:`mean_within_groups` (the replicas of one worker: hierarchical averaging).
 
->>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+>>> from returnn_tpu.options import DistributeOptions
+>>> from returnn_tpu.strategies import make_strategy
+>>> strategy = make_strategy(DistributeOptions(strategy="local_sgd", num_replicas=2))
 >>> with strategy.scope():
 ...     w = tf.Variable(0.0)
 >>> @tf.function(autograph=False)
