@@ -197,6 +197,38 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     return datasets
 
 
+def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
+    """RETURNN's batches, the last few re-cut so that their number is a multiple of ``num_slots``.
+
+    Dealing batches to replicas in turn would otherwise leave the last ``len % num_slots`` of
+    them, and their sequences, out of the epoch. The sequences of the last ``num_slots +
+    remainder`` batches are cut, in order, into ``2 * num_slots`` batches (or ``num_slots`` when
+    there are fewer than ``2 * num_slots`` sequences; a batch then holds up to about twice its
+    usual frames). Only fewer sequences than replicas in the whole epoch leave some out.
+    """
+    from returnn.engine.batch import Batch
+
+    remainder = len(batches) % num_slots
+    if not remainder:
+        return batches
+    tail = batches[-(num_slots + remainder):]
+    parts = [part for batch in tail for part in batch.seqs]
+    count = 2 * num_slots if len(parts) >= 2 * num_slots else num_slots
+    if len(parts) < count:
+        return batches[: len(batches) - remainder]
+    recut = []
+    for i in range(count):
+        batch = Batch()
+        for part in parts[i * len(parts) // count : (i + 1) * len(parts) // count]:
+            length = part.seq_end_frame - part.seq_start_frame
+            if recurrent:
+                batch.add_sequence_as_slice(seq_idx=part.seq_idx, seq_start_frame=part.seq_start_frame, length=length)
+            else:
+                batch.add_frames(seq_idx=part.seq_idx, seq_start_frame=part.seq_start_frame, length=length)
+        recut.append(batch)
+    return batches[: len(batches) - len(tail)] + recut
+
+
 class EpochBatches:
     """The steps of one epoch: each step has one padded batch per local replica.
 
@@ -204,7 +236,8 @@ class EpochBatches:
     steps as the shortest), or one dataset whose batches are dealt in turn to ``num_slots``
     global replicas, of which this process feeds ``slots`` (a range). The batch lists are made
     up front (RETURNN's batch generator, no data loaded), so :attr:`num_steps` is known before
-    the first step and workers can agree on it; :meth:`limit_steps` lowers it.
+    the first step and workers can agree on it; :meth:`limit_steps` lowers it. A dealt dataset
+    uses every sequence once (:func:`deal_evenly`).
 
     With ``pad_last`` (evaluation), the last, incomplete group of a dealt dataset is kept and
     filled with weight-0 copies of the last batch, so every batch is seen exactly once.
@@ -242,6 +275,9 @@ class EpochBatches:
             )
         if len(self.datasets) > 1:
             self.num_steps = min(len(batches) for batches in self.batch_lists)
+        elif not pad_last and self.num_slots > 1:
+            self.batch_lists[0] = deal_evenly(self.batch_lists[0], self.num_slots, recurrent=recurrent)
+            self.num_steps = len(self.batch_lists[0]) // self.num_slots
         elif pad_last:
             self.num_steps = -(-len(self.batch_lists[0]) // self.num_slots)
         else:
