@@ -197,3 +197,26 @@ def test_optimizer_state_at_sync(tmp_path, policy):
         assert numpy.abs(moments).max() == 0 and slot_step == 0
     else:
         assert not replicas_equal(moments) and slot_step == 3
+
+
+@pytest.mark.parametrize("strategy,options,message", [
+    ("mirrored", {"param_sync_step": 4}, "['param_sync_step'] is an option of local SGD"),
+    ("local_sgd", {"param_sync_step": 4, "param_sync_time_diff": 10}, "either 'param_sync_step' or"),
+    ("local_sgd", {"outer_optimizer": {"class": "adam"}}, "'class' one of 'nesterov', 'slowmo'"),
+    ("local_sgd", {"outer_optimizer": {"class": "nesterov", "momentum": 1.5}}, "['momentum'] must be a number in [0, 1)"),
+    ("local_sgd", {"outer_optimizer": {"class": "nesterov", "lr": 1}}, "unknown key 'lr'"),
+    ("local_sgd", {"sync_dtype": "int8"}, "'sync_dtype'] must be one of 'float32', 'bfloat16', 'float16'"),
+    ("local_sgd", {"optimizer_state_at_sync": "zero"}, "must be one of 'keep', 'average', 'reset'"),
+    ("local_sgd", {"param_sync_step": 4, "local_param_sync_step": 4}, "must be smaller than param_sync_step (4)"),
+    ("local_sgd", {"param_sync_step": 4, "sync_fragments": 5}, "at most param_sync_step (4)"),
+    ("local_sgd", {"param_sync_time_diff": 5, "sync_fragments": 2}, "counts steps"),
+    ("local_sgd", {"sync_fragments": 2, "optimizer_state_at_sync": "reset"}, "cannot be used with sync_fragments"),
+    ("local_sgd_tpu", {"local_param_sync_step": 2, "param_sync_step": 4}, "one TPU host is one worker"),
+])
+def test_bad_sync_options_are_one_line_errors(strategy, options, message):
+    from returnn_tpu.errors import ConfigError
+    from returnn_tpu.options import DistributeOptions
+
+    with pytest.raises(ConfigError) as error:
+        DistributeOptions.from_config_values(strategy, options)
+    assert message in str(error.value) and "\n" not in str(error.value)
