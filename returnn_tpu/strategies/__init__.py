@@ -38,7 +38,7 @@ def _with_own_collective_keys(cls, *args, **kwargs):
 
     Mirrored strategies number their collective instances from ``_collective_key_base``; two
     strategies in one process (tests, a sync and an eval run) would otherwise reuse the keys and
-    TensorFlow would match up unrelated all-reduces ("Shape mismatch in the collective instance").
+    TensorFlow would match up unrelated all-reduces (FACTS.md, "Collective keys").
     """
     strategy = cls.__new__(cls)
     strategy._collective_key_base = next(_COLLECTIVE_KEY_BASES)

@@ -3,7 +3,8 @@
 Everything here runs in replica context (inside ``strategy.run``), for the host-driven path and
 for the in-step path alike. The collective is a parameter, a function from this replica's list
 of tensors to their means: :func:`mean_over_all_replicas` (every replica of every worker) or
-:func:`mean_within_groups` (the replicas of one worker: hierarchical averaging).
+:func:`mean_within_groups` (the replicas of one worker: hierarchical averaging). All means are
+computed before any copy is assigned (FACTS.md, "Averages"; "Syncs in replica context").
 
 >>> from returnn_tpu.options import DistributeOptions
 >>> from returnn_tpu.strategies import make_strategy
