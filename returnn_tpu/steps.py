@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import numpy
 import tensorflow as tf
 
 from returnn_tpu.errors import ConfigError
