@@ -11,8 +11,11 @@ state or a complete checkpoint, never a half one.
 
 from __future__ import annotations
 
+import glob
 import os
-from typing import Dict, Mapping
+import re
+import shutil
+from typing import Callable, Dict, Mapping, Optional
 
 import numpy
 import tensorflow as tf
@@ -26,16 +29,66 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
     """
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     names = sorted(variables)
-    tmp_prefix = f"{prefix}.tmp-{os.getpid()}"
-    tf.raw_ops.SaveV2(
-        prefix=tmp_prefix,
-        tensor_names=names,
-        shape_and_slices=[""] * len(names),
-        tensors=[tf.convert_to_tensor(variables[name]) for name in names],
-    )
+    tmp_prefix = f"{prefix}{TMP_MARK}{os.getpid()}"
+    try:
+        tf.raw_ops.SaveV2(
+            prefix=tmp_prefix,
+            tensor_names=names,
+            shape_and_slices=[""] * len(names),
+            tensors=[tf.convert_to_tensor(variables[name]) for name in names],
+        )
+    except (tf.errors.OpError, OSError) as exc:
+        for path in glob.glob(glob.escape(tmp_prefix) + "*"):
+            os.remove(path)
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(prefix))).free
+        raise CheckpointWriteError(
+            f"could not write checkpoint {prefix} ({free / 1e6:.1f} MB free there): "
+            f"{str(getattr(exc, 'message', exc)).strip().splitlines()[0]}"
+        ) from None
     data_suffix = ".data-00000-of-00001"
     os.replace(tmp_prefix + data_suffix, prefix + data_suffix)
     os.replace(tmp_prefix + ".index", prefix + ".index")
+
+
+TMP_MARK = ".tmp-"  # <prefix>.tmp-<pid>.*: a bundle being written by process <pid>
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (e.g. the disk is full); names the path and free space."""
+
+
+def remove_stale_temporaries(model_filename: str, log_file=None):
+    """Deletes the temporary bundles of saves that did not finish (their process is gone)."""
+    for path in glob.glob(glob.escape(model_filename) + "*" + TMP_MARK + "*"):
+        match = re.search(re.escape(TMP_MARK) + r"(\d+)\.", path)
+        if not match:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # its process still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process
+        os.remove(path)
+        print(f"removed {path}, left by a save that did not finish", file=log_file)
+
+
+def set_aside_unreadable(newest: Callable[[], Optional[str]], log_file=None):
+    """Renames the index of the newest checkpoint while it does not load, so that resume uses the
+    previous complete one. ``newest()`` is the prefix of the newest checkpoint (None: none left)."""
+    while True:
+        prefix = newest()
+        if prefix is None:
+            return
+        try:
+            load(prefix)
+            return
+        except Exception as exc:  # noqa: BLE001 (any reason a bundle does not load: truncation, garbage)
+            reason = str(getattr(exc, "message", exc)).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            os.replace(prefix + ".index", prefix + ".index.unreadable")
+            print(f"returnn-tpu: warning: checkpoint {prefix} does not load ({reason}); renamed its index to "
+                  f"{prefix}.index.unreadable, resuming from the checkpoint before it", file=log_file)
 
 
 def load(prefix: str) -> Dict[str, numpy.ndarray]:

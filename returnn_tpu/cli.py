@@ -72,6 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_local_workers(int(argv[1]), argv[2:])
     import tensorflow as tf
 
+    from returnn_tpu import checkpoints
     from returnn_tpu.cluster import resolve_cluster
     from returnn_tpu.optimizers import optimizer_from_config
     from returnn_tpu.returnn_bridge import check_xla_compatible, start_returnn
@@ -109,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
-    except NonFiniteScore as exc:
+    except (NonFiniteScore, checkpoints.CheckpointWriteError) as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as exc:

@@ -252,6 +252,10 @@ class Trainer:
             self.steps.start_sync()
             self.sync_schedule.synced()
 
+    def _newest_checkpoint(self) -> Optional[str]:
+        epoch = self.start_epoch() - 1
+        return self.epoch_filename(epoch) if epoch >= 1 else None
+
     def epoch_filename(self, epoch: int) -> str:
         return self.networks.model_filename(self.model_filename, epoch)
 
@@ -294,7 +298,15 @@ class Trainer:
         return batches
 
     def train(self):
-        """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``."""
+        """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``.
+
+        The chief first removes what crashed saves left behind and sets aside a newest checkpoint
+        that does not load (resume then uses the one before it); the other workers wait for it.
+        """
+        if self.cluster.is_chief:
+            checkpoints.remove_stale_temporaries(self.model_filename, log_file=self.log.v2)
+            checkpoints.set_aside_unreadable(self._newest_checkpoint, log_file=self.log.v1)
+        self.workers.all_workers(0)  # the chief is done with the files
         start_epoch = self.start_epoch()
         start_epochs = self.workers.all_workers(start_epoch)
         if len(set(start_epochs)) > 1:

@@ -84,3 +84,18 @@ def test_checkpoint_without_slot_step_restores_it_from_the_global_step(tmp_path,
     assert int(state["optimize/slot_step"].numpy()) == 3
     with pytest.raises(KeyError):
         checkpoints.restore(str(tmp_path / "old"), state)
+
+
+def test_resume_skips_stale_temporaries_and_an_unreadable_newest_checkpoint(tmp_path):
+    network = {"output": {"class": "softmax", "loss": "ce", "from": "data"}}
+    make_trainer(tmp_path, network, num_epochs=2).train()
+    data = tmp_path / "model.002.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:20])  # truncated, as by a crash of the file system
+    stale = tmp_path / "model.003.tmp-999999999.data-00000-of-00001"  # a save whose process is gone
+    stale.write_bytes(b"partial")
+    trainer = make_trainer(tmp_path, network, num_epochs=3)
+    trainer.train()
+    assert not stale.exists()
+    assert (tmp_path / "model.002.index.unreadable").exists()
+    for epoch in (2, 3):  # epoch 2 trained again, from model.001
+        assert sorted(checkpoints.load(str(tmp_path / f"model.00{epoch}"))) == sorted(trainer.model_state())

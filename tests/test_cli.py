@@ -51,6 +51,14 @@ def test_demo_trains_and_dev_score_improves(tmp_path):
     assert all(m["strategy"] == "local_sgd" and m["num_replicas"] == 4 and m["syncs"] >= 1 for m in metrics)
     for epoch in range(1, 6):
         assert os.path.exists(tmp_path / f"model.{epoch:03d}.index")
+    # Each sync: every one of the 4 replicas hands all its float32 parameters to the all-reduce.
+    from returnn_tpu import checkpoints
+
+    saved = checkpoints.load(str(tmp_path / "model.005"))
+    num_params = sum(v.size for k, v in saved.items() if "/" in k and not k.endswith(("/Adam", "/Adam_1"))
+                     and not k.startswith("optimize/"))
+    assert all(m["sync_bytes"] == m["syncs"] * 4 * 4 * num_params for m in metrics), (num_params, metrics[0])
+    assert metrics[0]["distribute_options"]["param_sync_step"] == 10
     with open(tmp_path / "train.log") as f:
         log = f.read()
     assert "epoch 5 score:" in log and "dev: score" in log
