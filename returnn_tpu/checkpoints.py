@@ -22,20 +22,25 @@ import tensorflow as tf
 
 
 def save(prefix: str, variables: Mapping[str, tf.Variable]):
-    """Writes ``variables`` (name -> variable) as the bundle ``prefix``.
+    """Writes ``variables`` (name -> variable) as the bundle ``prefix``; never a non-finite model
+    (:class:`NonFiniteModel` instead).
 
     For distributed variables the value seen in cross-replica context is written; for local SGD,
     average the replicas first, so that the checkpoint holds the averaged model.
     """
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     names = sorted(variables)
+    tensors = [tf.convert_to_tensor(variables[name]) for name in names]
+    for name, tensor in zip(names, tensors):
+        if tensor.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(tensor))):
+            raise NonFiniteModel(f"not writing checkpoint {prefix}: {name!r} holds NaN or Inf values")
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     tmp_prefix = f"{prefix}{TMP_MARK}{os.getpid()}"
     try:
         tf.raw_ops.SaveV2(
             prefix=tmp_prefix,
             tensor_names=names,
             shape_and_slices=[""] * len(names),
-            tensors=[tf.convert_to_tensor(variables[name]) for name in names],
+            tensors=tensors,
         )
     except (tf.errors.OpError, OSError) as exc:
         for path in glob.glob(glob.escape(tmp_prefix) + "*"):
@@ -51,6 +56,10 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
 
 
 TMP_MARK = ".tmp-"  # <prefix>.tmp-<pid>.*: a bundle being written by process <pid>
+
+
+class NonFiniteModel(RuntimeError):
+    """The model to be saved holds NaN or Inf values: it is not written."""
 
 
 class CheckpointWriteError(RuntimeError):

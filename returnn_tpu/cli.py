@@ -110,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
-    except (NonFiniteScore, checkpoints.CheckpointWriteError) as exc:
+    except (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError) as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as exc:

@@ -84,9 +84,11 @@ class Optimizer:
         learning_rate: tf.Tensor,
         *,
         reduce: bool = True,
+        apply_if=True,
     ):
         """Updates all copies with the gradients: their mean over the replicas, or (``reduce``
-        False: local SGD) each replica's own."""
+        False: local SGD) each replica's own. A copy whose ``apply_if`` (a bool, or one per
+        replica) is False is left as it is, slots included; the step counts still advance."""
         if reduce:
             reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, list(grads_and_vars))
         else:
@@ -98,7 +100,7 @@ class Optimizer:
             slots = self.slots[var_name(var)]
             updates.append(
                 strategy.extended.update(
-                    var, self._apply_dense, args=(grad, slots, learning_rate, step), group=True
+                    var, self._apply_dense_if, args=(grad, slots, learning_rate, step, apply_if), group=True
                 )
             )
         return tf.group(updates)
@@ -108,13 +110,27 @@ class Optimizer:
         strategy: tf.distribute.Strategy,
         grads_and_vars: Sequence[Tuple[tf.Tensor, tf.Variable]],
         learning_rate: tf.Tensor,
+        *,
+        apply_if=True,
     ):
         """In replica context (TPU-style steps): applies the gradients as given (already averaged
-        for synchronous training) to this replica's copies."""
+        for synchronous training) to this replica's copies, if ``apply_if``."""
         strategy.extended.update(self.step, lambda v: v.assign_add(1))
         step = strategy.extended.update(self.slot_step, lambda v: v.assign_add(1))
         for grad, var in grads_and_vars:
-            strategy.extended.update(var, self._apply_dense, args=(grad, self.slots[var_name(var)], learning_rate, step))
+            strategy.extended.update(
+                var, self._apply_dense_if, args=(grad, self.slots[var_name(var)], learning_rate, step, apply_if)
+            )
+
+    def _apply_dense_if(self, var, grad, slots, lr, step, apply_if):
+        if apply_if is True:
+            return self._apply_dense(var, grad, slots, lr, step)
+
+        def apply():
+            with tf.control_dependencies([self._apply_dense(var, grad, slots, lr, step)]):
+                return tf.constant(True)
+
+        return tf.cond(apply_if, apply, lambda: tf.constant(False))
 
     def _apply_dense(self, var: tf.Variable, grad: tf.Tensor, slots: Mapping[str, tf.Variable], lr, step):
         return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=tf.cast(lr, var.dtype), delta=grad)

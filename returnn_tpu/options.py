@@ -73,6 +73,8 @@ class DistributeOptions:
         this many steps, all workers every ``param_sync_step``.
     :ivar sync_fragments: streaming syncs: the parameters in this many fragments of about equal
         bytes, one synced every ``param_sync_step / sync_fragments`` steps.
+    :ivar skip_nonfinite_steps: an update whose loss or gradient is NaN or Inf in a replica is
+        skipped and counted; without it, such an update stops the run.
     """
 
     strategy: str = "single"
@@ -91,6 +93,7 @@ class DistributeOptions:
     sync_dtype: str = "float32"
     local_param_sync_step: Optional[int] = None
     sync_fragments: int = 1
+    skip_nonfinite_steps: bool = False
 
     def in_force(self) -> dict:
         """Every option with the value it has in this run (for ``metrics.jsonl``)."""
@@ -141,6 +144,11 @@ class DistributeOptions:
                     f"distribute_options['bucket_boundaries'] must be a list of ints >= 1, got {boundaries!r}"
                 )
             kwargs["bucket_boundaries"] = tuple(sorted(boundaries))
+        if "skip_nonfinite_steps" in options:
+            if not isinstance(options["skip_nonfinite_steps"], bool):
+                raise ConfigError("distribute_options['skip_nonfinite_steps'] must be True or False, got "
+                                  f"{options['skip_nonfinite_steps']!r}")
+            kwargs["skip_nonfinite_steps"] = options["skip_nonfinite_steps"]
         if "jit_compile" in options:
             if not isinstance(options["jit_compile"], bool):
                 raise ConfigError(f"distribute_options['jit_compile'] must be True or False, got {options['jit_compile']!r}")

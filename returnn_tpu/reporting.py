@@ -31,6 +31,7 @@ class EpochStats:
     local_syncs: int = 0  # hierarchical averaging: syncs within each worker
     sync_seconds: float = 0.0
     sync_bytes: int = 0  # what this worker handed to collectives between replicas (syncs or gradients)
+    skipped_nonfinite: int = 0  # updates not applied: NaN/Inf loss or gradient (skip_nonfinite_steps)
 
     def add_sync(self, seconds: float, sent_bytes: int, local: bool = False):
         if local:
@@ -120,6 +121,17 @@ class StepProgress:
         print(", ".join(parts), file=self.log.v5)
 
 
+def strict_json(value):
+    """``value`` with NaN and Inf numbers replaced by None, which JSON can hold."""
+    if isinstance(value, dict):
+        return {key: strict_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    if isinstance(value, float) and not numpy.isfinite(value):
+        return None
+    return value
+
+
 def format_score(score: Dict[str, float]) -> str:
     """RETURNN's formatting: the bare number for one loss, else ``name value`` pairs."""
     if not score:
@@ -187,13 +199,14 @@ class EpochReport:
         record = dict(self.static_fields, epoch=epoch, steps=stats.steps, learning_rate=learning_rate,
                       train_score=single_or_dict(train_score), train_error=single_or_dict(train_error),
                       seconds=round(stats.seconds, 3), syncs=stats.syncs, local_syncs=stats.local_syncs,
-                      sync_seconds=round(stats.sync_seconds, 4), sync_bytes=stats.sync_bytes)
+                      sync_seconds=round(stats.sync_seconds, 4), sync_bytes=stats.sync_bytes,
+                      skipped_nonfinite_updates=stats.skipped_nonfinite)
         record.update(extra or {})
         for name, result in dev_results.items():
             record[f"{name}_score"] = single_or_dict(result["score"])
             record[f"{name}_error"] = single_or_dict(result["error"])
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self._summaries(epoch, scores, dev_results, stats, learning_rate, global_step)
 
     def _summaries(self, epoch, scores, dev_results, stats, learning_rate, global_step):

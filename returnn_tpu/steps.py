@@ -73,6 +73,7 @@ class ReplicaSteps:
         self.in_step = syncs_in_step(strategy)
         self.trainable_names: Optional[List[str]] = None  # known after the first trace
         self.compiled_shapes = set()  # input shapes the XLA replica step was compiled for
+        self.nonfinite: Dict[str, tf.Variable] = {}  # see take_nonfinite()
         # With XLA: one trace (and compilation) per bucket shape; else one trace for all shapes.
         self._train = tf.function(
             self._train_in_replica_fn if self.in_step else self._train_fn,
@@ -112,6 +113,13 @@ class ReplicaSteps:
                         tf.zeros(var.shape, var.dtype), trainable=False, name=f"{name}/accum_grad",
                         synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
                     )
+        with self.strategy.scope():  # per replica: non-finite updates skipped, and the first one's step and loss
+            self.nonfinite = {
+                key: tf.Variable(tf.zeros([], dtype), trainable=False, name=f"nonfinite/{key}",
+                                 synchronization=tf.VariableSynchronization.ON_READ,
+                                 aggregation=tf.VariableAggregation.SUM)
+                for key, dtype in (("count", tf.int64), ("first_step", tf.int64), ("first_loss", tf.float32))
+            } if not self.nonfinite else self.nonfinite
         if self.local_sgd:
             sizes = {name: var.shape.num_elements() * var.dtype.size for name, var in self.trainable().items()}
             self.fragments = split_into_fragments(sizes, self.num_fragments)
@@ -165,6 +173,16 @@ class ReplicaSteps:
         return self.local_replicas * self.averaging.bytes_per_replica(
             {name: variables[name] for name in names}, self.optimizer.slots_by_variable()
         )
+
+    def take_nonfinite(self) -> List[Tuple[int, int, float]]:
+        """Per local replica: updates skipped because their loss or gradient was NaN or Inf since
+        the last call, the optimizer step of the first of them (1-based; 0: none) and its loss.
+        Reads back to the host (not per step); resets the counts."""
+        columns = [[v.numpy().item() for v in self.strategy.experimental_local_results(self.nonfinite[key])]
+                   for key in ("count", "first_step", "first_loss")]
+        for var in self.nonfinite.values():
+            var.assign(tf.zeros_like(var))
+        return list(zip(*columns))
 
     def trainable(self) -> Dict[str, tf.Variable]:
         """The trainable parameters by name."""
@@ -223,34 +241,62 @@ class ReplicaSteps:
                 resets = [acc.assign(tf.zeros_like(acc)) for acc in sums]
             with tf.control_dependencies(resets):
                 grad_list = [tf.identity(grad) for grad in grad_list]
-        return dict(zip(names, self.gradients.final(grad_list, batch_grads))), metrics
+        grad_list = self.gradients.final(grad_list, batch_grads)
+        finite, metrics = self._check_finite(grad_list, metrics)
+        return dict(zip(names, grad_list)), metrics, finite
+
+    def _check_finite(self, grad_list, metrics):
+        """In replica context: whether this update's loss and gradients are finite, counted when not
+        (FACTS.md, "Non-finite updates"), and the metrics, zero for a non-finite update so that
+        the epoch's scores are those of the updates made."""
+        loss = tf.add_n([tf.cast(v, tf.float32) for k, v in sorted(metrics.items()) if k.startswith("cost:")] or
+                        [tf.zeros([])])
+        finite = tf.math.is_finite(loss) & tf.math.is_finite(tf.linalg.global_norm(grad_list))
+        bad = tf.cast(tf.logical_not(finite), tf.int64)
+        first_step, count = self.nonfinite["first_step"], self.nonfinite["count"]
+        is_first = tf.logical_and(tf.logical_not(finite), tf.equal(count.read_value(), 0))
+        updates = [
+            first_step.assign(tf.where(is_first, self.optimizer.step.read_value() + 1, first_step.read_value())),
+            self.nonfinite["first_loss"].assign(tf.where(is_first, loss, self.nonfinite["first_loss"].read_value())),
+        ]
+        with tf.control_dependencies(updates):
+            updates.append(count.assign_add(bad))
+        with tf.control_dependencies(updates):
+            metrics = {key: tf.where(finite, value, tf.zeros_like(value)) for key, value in metrics.items()}
+        return finite, metrics
 
     def _replica_accumulate(self, batch):
         grads, metrics = self._replica_train(batch)
         with tf.control_dependencies([self.accumulators[name].assign_add(grad) for name, grad in grads.items()]):
+            # A non-finite micro-batch is caught at the update, whose sums it is part of.
             return {key: tf.identity(value) for key, value in metrics.items()}
 
     def _accumulate_fn(self, batch):
         return self.strategy.run(self._replica_accumulate, args=(batch,))
 
     def _train_fn(self, batch, learning_rate):
-        grads, metrics = self.strategy.run(self._replica_update_gradients, args=(batch,))
+        grads, metrics, finite = self.strategy.run(self._replica_update_gradients, args=(batch,))
         grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
+        if not self.local_sgd:  # one replica's non-finite gradient spoils the mean: all skip
+            bad = self.strategy.run(lambda ok: tf.cast(tf.logical_not(ok), tf.int32), args=(finite,))
+            finite = tf.equal(self.strategy.reduce(tf.distribute.ReduceOp.SUM, bad, axis=None), 0)
         # Runs although unused: tf.function keeps stateful ops.
-        self.optimizer.apply(self.strategy, grads_and_vars, learning_rate, reduce=not self.local_sgd)
+        self.optimizer.apply(self.strategy, grads_and_vars, learning_rate, reduce=not self.local_sgd, apply_if=finite)
         return metrics
 
     def _train_in_replica_fn(self, batch, learning_rate, due=None):
         return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, due))
 
     def _replica_train_and_apply(self, batch, learning_rate, due):
-        grads, metrics = self._replica_update_gradients(batch)
+        grads, metrics, finite = self._replica_update_gradients(batch)
         names = sorted(grads)
         grad_list = [grads[name] for name in names]
         if not self.local_sgd:
-            grad_list = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, grad_list)
+            context = tf.distribute.get_replica_context()
+            grad_list = context.all_reduce(tf.distribute.ReduceOp.MEAN, grad_list)
+            finite = tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.int32)), 0)
         variables = [self.builder.variables.by_name[name] for name in names]
-        self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), learning_rate)
+        self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), learning_rate, apply_if=finite)
         for index in range(self.num_fragments if self.local_sgd else 0):  # ordered after the update (same resources)
             tf.cond(due[index], lambda i=index: self._replica_sync((i,), False, learning_rate), lambda: tf.constant(False))
         return metrics

@@ -47,6 +47,13 @@ class NonFiniteScore(RuntimeError):
     """The epoch's train score is NaN or Inf (RETURNN stops then, unless stop_on_nonfinite_train_score is off)."""
 
 
+class NonFiniteUpdate(NonFiniteScore):
+    """An update's loss or gradient was NaN or Inf (the update was not applied)."""
+
+
+NONFINITE_CHECK_STEPS = 50  # how often the device's non-finite counts are read (and, multi-worker, shared)
+
+
 def check_supported(config):
     """Stops on config options that would change training and are not implemented."""
     if config.value("task", "train") not in TASKS:
@@ -376,10 +383,13 @@ class Trainer:
             step_start = time.perf_counter()
             metrics = self.train_step(step_batches, learning_rate, stats)
             scores.add(metrics)
+            if (step + 1) % NONFINITE_CHECK_STEPS == 0:
+                self.check_nonfinite(epoch, stats)
             if progress:
                 progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
         if stats.steps == 0:
             raise RuntimeError(f"epoch {epoch}: the training data gave no batch for every replica")
+        self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
         if self.averaging and self.sync_schedule.pending():
             self.sync(stats=stats)
         stats.seconds = time.perf_counter() - start
@@ -404,6 +414,35 @@ class Trainer:
                            global_step=int(self.optimizer.step.numpy()), extra=xla)
         if self.cluster.is_chief and self.config.bool_or_other("cleanup_old_models", None):
             checkpoints.cleanup_old_models(self.config, self.learning_rate_control)
+
+    def check_nonfinite(self, epoch: int, stats: EpochStats):
+        """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN
+        or Inf in any replica. Such updates were not applied, so no copy, average or checkpoint
+        is ever non-finite. All workers see the same counts (one small collective)."""
+        if not self._built:
+            return
+        local = self.steps.take_nonfinite()
+        rows = self.workers.rows([value for replica in local for value in replica])
+        found = []  # (step, replica, loss, count)
+        for worker, row in enumerate(rows):
+            for i in range(len(local)):
+                count, step, loss = row[3 * i : 3 * i + 3]
+                if count:
+                    found.append((int(step), worker * len(local) + i, float(loss), int(count)))
+        if not found:
+            return
+        total = sum(count for *_, count in found)
+        step, replica, loss, _ = min(found)
+        where = f"replica {replica}" + (f" (worker {replica // len(local)})" if self.cluster.num_workers > 1 else "")
+        if not self.options.skip_nonfinite_steps:
+            raise NonFiniteUpdate(
+                f"{self.epoch_name(epoch)}: {where}, step {step}: non-finite loss {loss} or gradient; the update "
+                f"was not applied and nothing of this epoch is saved ({total} such updates in all replicas); set "
+                "distribute_options['skip_nonfinite_steps'] = True to skip such updates and go on"
+            )
+        stats.skipped_nonfinite += total
+        print(f"{self.epoch_name(epoch)}: skipped {total} non-finite updates (first: {where}, step {step}, "
+              f"loss {loss})", file=self.log.v2)
 
     def epoch_name(self, epoch: int) -> str:
         """``"epoch 3"``, or ``"pretrain epoch 1"``, as RETURNN names epochs in its log."""

@@ -11,6 +11,7 @@ FEED_FORWARD = {  # four parameters: four fragments of one parameter each
     "hidden": {"class": "linear", "activation": "tanh", "n_out": 16, "from": "data"},
     "output": {"class": "softmax", "loss": "ce", "from": "hidden"},
 }
+TRAIN_100 = {"class": "Task12AXDataset", "num_seqs": 100}
 DILOCO = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9}
 
 
@@ -220,3 +221,55 @@ def test_bad_sync_options_are_one_line_errors(strategy, options, message):
     with pytest.raises(ConfigError) as error:
         DistributeOptions.from_config_values(strategy, options)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def _dataset_with_a_nan_sequence(num_seqs=24, nan_seq=5):
+    rng = numpy.random.RandomState(0)
+    seqs = []
+    for i in range(num_seqs):
+        length = int(rng.randint(3, 9))
+        data = rng.randn(length, 9).astype("float32")
+        if i == nan_seq:
+            data[1, 2] = numpy.nan  # a corrupt feature frame
+        seqs.append({"data": data, "classes": rng.randint(0, 2, (length,)).astype("int32")})
+    return {"class": "StaticDataset", "data": seqs, "output_dim": {"data": [9, 2], "classes": [2, 1]}}
+
+
+@pytest.mark.parametrize("strategy", ["local_sgd", "mirrored", "local_sgd_tpu"])
+def test_nonfinite_update_stops_the_run_and_is_never_applied(tmp_path, strategy):
+    from returnn_tpu.trainer import NonFiniteUpdate
+
+    extra = {"cluster_resolver": "local", "jit_compile": False} if strategy == "local_sgd_tpu" else {}
+    trainer = make_trainer(tmp_path, FEED_FORWARD, strategy=strategy, train=_dataset_with_a_nan_sequence(),
+                           batch_size=20, max_seqs=2, distribute_options=extra)
+    with pytest.raises(NonFiniteUpdate, match=r"epoch 1: replica [01], step \d+: non-finite loss nan"):
+        trainer.train()
+    assert not (tmp_path / "model.001.index").exists()
+    for copies in params(trainer).values():  # the update with the NaN was not applied anywhere
+        assert all(numpy.isfinite(copy).all() for copy in copies)
+
+
+def test_nonfinite_updates_skipped_on_request(tmp_path):
+    import json
+
+    trainer = make_trainer(tmp_path, FEED_FORWARD, num_epochs=2, train=_dataset_with_a_nan_sequence(),
+                           batch_size=20, max_seqs=2,
+                           distribute_options={"skip_nonfinite_steps": True, "param_sync_step": 2})
+    trainer.train()
+    metrics = [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
+               for line in open(tmp_path / "metrics.jsonl")]
+    # The NaN sequence, once per epoch in each of the 2 replicas' own copies (random_seed_offset).
+    assert [m["skipped_nonfinite_updates"] for m in metrics] == [2, 2]
+    assert all(numpy.isfinite(m["train_score"]) for m in metrics)
+    saved = checkpoints.load(str(tmp_path / "model.002"))
+    assert all(numpy.isfinite(value).all() for value in saved.values())
+
+
+def test_a_diverged_model_is_never_written(tmp_path):
+    """A learning rate of 1e38 overflows the parameters themselves; the run stops, unsaved."""
+    from returnn_tpu.trainer import NonFiniteScore
+
+    trainer = make_trainer(tmp_path, FEED_FORWARD, learning_rate=1e38, train=TRAIN_100)
+    with pytest.raises(NonFiniteScore, match="replica"):
+        trainer.train()
+    assert not (tmp_path / "model.001.index").exists()
