@@ -1,20 +1,33 @@
 """``returnn-tpu --local-workers N CONFIG ...``: N worker processes on 127.0.0.1, for development.
 
 Each worker gets a ``TF_CONFIG`` for a cluster of N workers on free local ports. Their output
-is streamed with a ``[worker i]`` prefix. When one worker fails, the others are stopped; the
-exit status is the first non-zero status of a worker (0 if all succeed).
+is streamed with a ``[worker i]`` prefix. The launcher and its workers end together:
+
+* when one worker fails, the others get SIGTERM;
+* SIGTERM or SIGINT to the launcher is passed on to every worker;
+* a worker still there :data:`GRACE_SECONDS` after its SIGTERM (hung, or stopped with SIGSTOP)
+  is killed;
+* the workers get SIGKILL from the kernel if the launcher itself dies (``PR_SET_PDEATHSIG``).
+
+Exit status: the first non-zero status of a worker (a worker ended by a signal counts as 1), 0 if
+all succeed, 128 + the signal number when the launcher was stopped by a signal.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import List
+from typing import List, Optional
+
+GRACE_SECONDS = 20.0  # from SIGTERM to SIGKILL
+_PR_SET_PDEATHSIG = 1
 
 
 def free_local_ports(count: int) -> List[int]:
@@ -35,36 +48,73 @@ def _stream(prefix: str, pipe, out):
         out.flush()
 
 
+def _die_with_parent():
+    """In the child before exec: SIGKILL when the launcher dies (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _stop(workers: List[subprocess.Popen], signum: int = signal.SIGTERM):
+    """Sends ``signum`` to the running workers, then SIGKILL to any still running after the grace period."""
+    for proc in workers:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    deadline = time.monotonic() + GRACE_SECONDS
+    while time.monotonic() < deadline and any(proc.poll() is None for proc in workers):
+        time.sleep(0.1)
+    for index, proc in enumerate(workers):
+        if proc.poll() is None:
+            print(f"returnn-tpu: worker {index} still running {GRACE_SECONDS:.0f} s after SIGTERM; killed",
+                  file=sys.stderr, flush=True)
+            proc.kill()
+
+
 def run_local_workers(num_workers: int, args: List[str]) -> int:
     """Runs ``returnn-tpu ARGS`` as ``num_workers`` workers of one cluster; returns the exit status."""
     ports = free_local_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    workers = []
-    for index in range(num_workers):
-        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "returnn_tpu.cli", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        thread = threading.Thread(target=_stream, args=(f"[worker {index}] ", proc.stdout, sys.stdout), daemon=True)
-        thread.start()
-        workers.append((proc, thread))
-    status = 0
+    received: List[int] = []  # signals sent to the launcher
+    previous = {signum: signal.signal(signum, lambda signum, _: received.append(signum))
+                for signum in (signal.SIGTERM, signal.SIGINT)}
+    workers, threads = [], []
     try:
-        while any(proc.poll() is None for proc, _ in workers):
-            failed = [proc.returncode for proc, _ in workers if proc.returncode not in (None, 0)]
+        for index in range(num_workers):
+            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "returnn_tpu.cli", *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                preexec_fn=_die_with_parent,
+            )
+            thread = threading.Thread(target=_stream, args=(f"[worker {index}] ", proc.stdout, sys.stdout), daemon=True)
+            thread.start()
+            workers.append(proc)
+            threads.append(thread)
+        status: Optional[int] = None
+        while any(proc.poll() is None for proc in workers):
+            if received:
+                _stop(workers, received[0])
+                status = 128 + received[0]
+                break
+            failed = [proc.returncode for proc in workers if proc.returncode not in (None, 0)]
             if failed:
-                status = failed[0]
-                for proc, _ in workers:
-                    if proc.poll() is None:
-                        proc.terminate()
+                status = failed[0] if failed[0] > 0 else 1
+                _stop(workers)
                 break
             time.sleep(0.2)
     finally:
-        for proc, thread in workers:
+        if any(proc.poll() is None for proc in workers):  # an exception in the launcher itself
+            _stop(workers)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for proc, thread in zip(workers, threads):
             proc.wait()
             thread.join()
-    return status or next((proc.returncode for proc, _ in workers if proc.returncode), 0)
+    if status is not None:
+        return status
+    first = next((proc.returncode for proc in workers if proc.returncode), 0)
+    return 1 if first < 0 else first

@@ -121,6 +121,15 @@ class StepProgress:
         print(", ".join(parts), file=self.log.v5)
 
 
+def process_threads() -> Optional[int]:
+    """Threads of this process, TensorFlow's included (Linux: /proc; elsewhere None)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def strict_json(value):
     """``value`` with NaN and Inf numbers replaced by None, which JSON can hold."""
     if isinstance(value, dict):
@@ -200,7 +209,7 @@ class EpochReport:
                       train_score=single_or_dict(train_score), train_error=single_or_dict(train_error),
                       seconds=round(stats.seconds, 3), syncs=stats.syncs, local_syncs=stats.local_syncs,
                       sync_seconds=round(stats.sync_seconds, 4), sync_bytes=stats.sync_bytes,
-                      skipped_nonfinite_updates=stats.skipped_nonfinite)
+                      skipped_nonfinite_updates=stats.skipped_nonfinite, threads=process_threads())
         record.update(extra or {})
         for name, result in dev_results.items():
             record[f"{name}_score"] = single_or_dict(result["score"])

@@ -203,3 +203,61 @@ def test_worker_dying_during_training_is_named(tmp_path):
     assert time.time() - killed < 90  # far below a hang, bounded by collective_timeout
     errors = [line for line in stderr.splitlines() if line.startswith("returnn-tpu: error:")]
     assert len(errors) == 1 and f"lost worker 1 (127.0.0.1:{ports[1]})" in errors[0], stderr[-2000:]
+
+
+def _launch(tmp_path):
+    """``returnn-tpu --local-workers 2`` on a long run; returns the launcher once training is under way."""
+    write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=50,
+                 options={"param_sync_step": 3, "startup_timeout": 120, "collective_timeout": 60})
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    launcher = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "--local-workers", "2", "train.config"],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not os.path.exists(tmp_path / "out" / "model.001.index"):
+        assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
+        time.sleep(0.2)
+    return launcher
+
+
+def _workers_of(launcher):
+    children = f"/proc/{launcher.pid}/task/{launcher.pid}/children"
+    return [int(pid) for pid in open(children).read().split()]
+
+
+def _gone(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # a zombie waits only for its parent
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
+    import signal
+
+    launcher = _launch(tmp_path)
+    workers = _workers_of(launcher)
+    assert len(workers) == 2
+    launcher.send_signal(signal.SIGTERM)
+    start = time.time()
+    launcher.communicate(timeout=60)
+    print(f"SIGTERM to the launcher: all gone after {time.time() - start:.1f} s")
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert all(_gone(pid) for pid in workers)
+
+
+def test_a_hung_worker_ends_the_job_within_a_bound(tmp_path):
+    import signal
+
+    from returnn_tpu.launcher import GRACE_SECONDS
+
+    launcher = _launch(tmp_path)
+    workers = _workers_of(launcher)
+    os.kill(workers[1], signal.SIGSTOP)  # hangs: neither answers nor dies
+    start = time.time()
+    output, _ = launcher.communicate(timeout=300)
+    elapsed = time.time() - start
+    print(f"SIGSTOP of worker 1: the job ended after {elapsed:.1f} s")
+    assert launcher.returncode == 1, output[-3000:]
+    assert elapsed < 60 + GRACE_SECONDS + 30  # collective_timeout, the grace period, start-up slack
+    assert "worker 1 still running" in output and "lost worker 1" in output, output[-3000:]
+    assert all(_gone(pid) for pid in workers)
