@@ -3,12 +3,14 @@
 ``returnn-tpu --local-workers N CONFIG ...`` runs N workers of one cluster on 127.0.0.1.
 
 Exit status: 0 on success, 2 for bad input (one line on stderr naming the option; nothing is
-written), 1 for a failure during training.
+written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT) stopped it at
+a step boundary.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -77,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from returnn_tpu.optimizers import optimizer_from_config
     from returnn_tpu.returnn_bridge import check_xla_compatible, start_returnn
     from returnn_tpu.session_options import apply_session_options
-    from returnn_tpu.trainer import TASKS, NonFiniteScore, Trainer, check_supported
+    from returnn_tpu.trainer import TASKS, NonFiniteScore, Stopped, Trainer, check_supported
 
     cluster = None
     try:
@@ -106,10 +108,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         for message in ignored:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
         trainer = Trainer(config, options, cluster)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # replaces TensorFlow's multi-worker handler
+            signal.signal(signum, trainer.request_stop)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:
+        print(f"returnn-tpu: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError) as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1

@@ -52,6 +52,15 @@ class NonFiniteUpdate(NonFiniteScore):
 
 
 NONFINITE_CHECK_STEPS = 50  # how often the device's non-finite counts are read (and, multi-worker, shared)
+STOP_CHECK_STEPS = 10  # with several workers, how often they agree whether one was asked to stop
+
+
+class Stopped(RuntimeError):
+    """Training stopped at a step boundary because the process got a signal (SIGTERM, SIGINT)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 def check_supported(config):
@@ -137,6 +146,7 @@ class Trainer:
             time_check_steps=1 if self.cluster.num_workers == 1 else 10,
         )
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
+        self.stop_signal: Optional[int] = None  # set by request_stop
         self._built = False
         self._resume_epoch = 0  # the checkpoint to restore when the variables are created
         self._network_epoch: Optional[int] = None  # the epoch whose network is built (None: none yet)
@@ -385,6 +395,7 @@ class Trainer:
             scores.add(metrics)
             if (step + 1) % NONFINITE_CHECK_STEPS == 0:
                 self.check_nonfinite(epoch, stats)
+            self._stop_if_requested(epoch, step)
             if progress:
                 progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
         if stats.steps == 0:
@@ -414,6 +425,35 @@ class Trainer:
                            global_step=int(self.optimizer.step.numpy()), extra=xla)
         if self.cluster.is_chief and self.config.bool_or_other("cleanup_old_models", None):
             checkpoints.cleanup_old_models(self.config, self.learning_rate_control)
+
+    def request_stop(self, signum: int, _frame=None):
+        """Signal handler: stop at the next step boundary (all workers agree on which). A second
+        signal ends the process at once, as without this handler."""
+        import signal
+
+        if self.stop_signal is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.stop_signal = signum
+        print(f"returnn-tpu: got signal {signum}; stopping at the next step boundary", file=self.log.v1)
+
+    def _stop_if_requested(self, epoch: int, step: int):
+        """Ends the epoch in progress if this or (checked every STOP_CHECK_STEPS steps) any worker
+        got a stop signal. Nothing of the epoch is saved: resume restarts it from the checkpoint
+        before it."""
+        if self.cluster.num_workers > 1:
+            if (step + 1) % STOP_CHECK_STEPS or not self.workers.any(self.stop_signal is not None):
+                return
+        elif self.stop_signal is None:
+            return
+        import signal
+
+        signum = self.stop_signal or signal.SIGTERM  # a peer's signal
+        newest = self.start_epoch() - 1
+        raise Stopped(
+            f"stopped by signal {signum} in {self.epoch_name(epoch)} after step {step + 1}; nothing of this epoch "
+            f"is saved; the newest checkpoint is {self.epoch_filename(newest) if newest else 'none'}: run the same "
+            f"command to resume at epoch {newest + 1}", signum)
 
     def check_nonfinite(self, epoch: int, stats: EpochStats):
         """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN

@@ -231,18 +231,27 @@ def _gone(pid):
         return True
 
 
-def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
+@pytest.mark.parametrize("target", ["launcher", "worker 1"])
+def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     import signal
+
+    from returnn_tpu.launcher import GRACE_SECONDS
 
     launcher = _launch(tmp_path)
     workers = _workers_of(launcher)
     assert len(workers) == 2
-    launcher.send_signal(signal.SIGTERM)
+    os.kill(launcher.pid if target == "launcher" else workers[1], signal.SIGTERM)
     start = time.time()
-    launcher.communicate(timeout=60)
-    print(f"SIGTERM to the launcher: all gone after {time.time() - start:.1f} s")
+    output, _ = launcher.communicate(timeout=60)
+    elapsed = time.time() - start
+    print(f"SIGTERM to the {target}: all gone after {elapsed:.1f} s")
     assert launcher.returncode == 128 + signal.SIGTERM
     assert all(_gone(pid) for pid in workers)
+    assert elapsed < GRACE_SECONDS and "still running" not in output, output[-3000:]  # stopped, not killed
+    stopped = [line for line in output.splitlines() if "returnn-tpu: stopped by signal 15" in line]
+    assert len(stopped) == 2 and "run the same command to resume at epoch" in stopped[0], output[-3000:]
+    resumed = run_cli(["train.config", "++num_epochs", "2"], cwd=tmp_path)  # resume works (one worker now)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
 def test_a_hung_worker_ends_the_job_within_a_bound(tmp_path):
