@@ -126,7 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         lost = ", ".join(cluster.workers_named_in(exc.message)) or "another worker"
         reason = exc.message.strip().splitlines()[0]
         print(f"returnn-tpu: error: worker {cluster.worker_index}: lost {lost} in a collective "
-              f"(it died, hung past collective_timeout, or is unreachable): {reason}", file=sys.stderr)
+              f"(it died, hangs, or is unreachable): {reason}", file=sys.stderr)
         return 1
     return 0
 

@@ -62,7 +62,9 @@ class DistributeOptions:
     :ivar bucket_boundaries: with ``jit_compile``, the bucket lengths (frames of the default
         input); default: the quartiles of the training data's lengths.
     :ivar startup_timeout: seconds to wait for all workers of a multi-worker run to come up.
-    :ivar collective_timeout: seconds any one all-reduce between workers may wait.
+    :ivar collective_timeout: seconds any one all-reduce between workers may wait (None: no
+        limit per all-reduce; a dead or hung peer still aborts it, see
+        :class:`returnn_tpu.strategies.multi_worker.TimedCollectiveExtended`).
     :ivar sync_bucket_bytes: parameters are averaged in all-reduces of about this many bytes.
     :ivar outer_optimizer: None (plain averaging) or ``{"class": "nesterov" | "slowmo",
         "learning_rate": .., "momentum": ..}``: an outer step on the replicas' mean change.
@@ -85,7 +87,7 @@ class DistributeOptions:
     dataset_distribution: str = "random_seed_offset"
     jit_compile: bool = False
     startup_timeout: float = 300.0
-    collective_timeout: float = 1800.0
+    collective_timeout: Optional[float] = None
     sync_bucket_bytes: int = 32 * 1024 * 1024
     bucket_boundaries: Optional[Tuple[int, ...]] = None
     outer_optimizer: Optional[Mapping[str, Any]] = None
@@ -131,7 +133,7 @@ class DistributeOptions:
                 "dataset_distribution", options["dataset_distribution"], DATASET_DISTRIBUTIONS
             )
         for key in ("startup_timeout", "collective_timeout"):
-            if key in options:
+            if options.get(key) is not None:
                 kwargs[key] = _positive_number(key, options[key])
         if "sync_bucket_bytes" in options:
             kwargs["sync_bucket_bytes"] = _positive_int("sync_bucket_bytes", options["sync_bucket_bytes"])

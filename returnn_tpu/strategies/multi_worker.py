@@ -5,8 +5,10 @@
 * :class:`MultiWorkerMirroredStrategy`: TensorFlow's synchronous multi-worker strategy.
 
 Both wait at most ``startup_timeout`` seconds for the cluster and stop with an error that names
-the workers that did not answer. Every collective has ``collective_timeout``. A worker that dies
-later makes the others' next collective fail within seconds ("connection refused" from
+the workers that did not answer. A worker that dies or hangs later makes the others' collectives
+fail within :data:`PEER_LOSS_BOUND_SECONDS` (TensorFlow's peer health check, tuned here; a
+per-collective ``collective_timeout`` is optional, since each collective with one leaves threads
+behind for that long: FACTS.md, "Peer health"). A dead worker is usually found within seconds ("connection refused" from
 ``/job:worker/replica:0/task:N``), which the command reports in one line. Parameters are reduced
 in packs of ``bucket_bytes`` (few large all-reduces, not one per variable).
 """
@@ -24,7 +26,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as car
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin
 
 
-def communication_options(collective_timeout: float, bucket_bytes: int):
+def communication_options(collective_timeout, bucket_bytes: int):
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=bucket_bytes,
         timeout_seconds=collective_timeout,
@@ -59,7 +61,13 @@ def startup_deadline(cluster_resolver, startup_timeout: float):
 
 
 class TimedCollectiveExtended(car.CollectiveAllReduceExtended):
-    """``CollectiveAllReduceExtended`` with a start-up timeout that names missing workers."""
+    """``CollectiveAllReduceExtended`` with a start-up timeout that names missing workers, and a
+    peer health check every 5 s (TensorFlow's: 30 s) that gives up on a peer after 3 tries of 5 s,
+    so that a dead or hung peer aborts all collectives within :data:`PEER_LOSS_BOUND_SECONDS`."""
+
+    _check_health_interval = 5
+    _check_health_timeout = 5
+    _check_health_retry_limit = 3
 
     def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float):
         if cluster_resolver is None:
@@ -67,6 +75,12 @@ class TimedCollectiveExtended(car.CollectiveAllReduceExtended):
         one_process = not cluster_resolver.cluster_spec().jobs  # nothing to wait for
         with contextlib.nullcontext() if one_process else startup_deadline(cluster_resolver, startup_timeout):
             super().__init__(container_strategy, cluster_resolver=cluster_resolver, communication_options=options)
+
+
+PEER_LOSS_BOUND_SECONDS = (
+    TimedCollectiveExtended._check_health_interval
+    + TimedCollectiveExtended._check_health_retry_limit * TimedCollectiveExtended._check_health_timeout
+)
 
 
 class MultiWorkerLocalSGDExtended(LocalSGDExtendedMixin, TimedCollectiveExtended):
@@ -78,7 +92,7 @@ class _MultiWorkerStrategy(car.CollectiveAllReduceStrategy):
 
     extended_class = TimedCollectiveExtended
 
-    def __init__(self, cluster_resolver, *, collective_timeout: float, bucket_bytes: int, startup_timeout: float):
+    def __init__(self, cluster_resolver, *, collective_timeout, bucket_bytes: int, startup_timeout: float):
         options = communication_options(collective_timeout, bucket_bytes)
         extended = self.extended_class(self, cluster_resolver, options, startup_timeout)
         tf.distribute.Strategy.__init__(self, extended)  # skip CollectiveAllReduceStrategy.__init__
