@@ -20,6 +20,8 @@ from typing import Callable, Dict, Mapping, Optional
 import numpy
 import tensorflow as tf
 
+from returnn_tpu.errors import ConfigError
+
 
 def save(prefix: str, variables: Mapping[str, tf.Variable]):
     """Writes ``variables`` (name -> variable) as the bundle ``prefix``; never a non-finite model
@@ -110,7 +112,7 @@ def restore(prefix: str, variables: Mapping[str, tf.Variable], *, partial: bool 
             fallbacks: Mapping[str, str] = None):
     """Assigns the saved values to ``variables`` (every replica's copy of a distributed variable).
 
-    Raises ``KeyError`` naming the first variable the checkpoint lacks. ``fallbacks`` maps a name
+    Raises :class:`ConfigError` naming the first variable the checkpoint lacks. ``fallbacks`` maps a name
     to the saved name whose value stands in for it when it is missing (older checkpoints). With
     ``partial`` (a network that changes per epoch resumed from another epoch's checkpoint),
     variables the checkpoint lacks or holds in another shape keep their initialization, logged.
@@ -121,7 +123,10 @@ def restore(prefix: str, variables: Mapping[str, tf.Variable], *, partial: bool 
         if value is not None and tuple(value.shape) == tuple(var.shape):
             var.assign(value)
         elif not partial:
-            raise KeyError(f"checkpoint {prefix} has no variable {name!r} of shape {list(var.shape)}")
+            raise ConfigError(
+                f"checkpoint {prefix} has no variable {name!r} of shape {list(var.shape)}: the network differs from "
+                "the one the checkpoint was trained with; undo the change, or start in a new model folder"
+            )
         else:
             print(f"checkpoint {prefix}: {name!r} not loaded (not in it, or of another shape)", file=log_file)
 

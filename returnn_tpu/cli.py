@@ -72,30 +72,36 @@ def main(argv: Optional[List[str]] = None) -> int:
         from returnn_tpu.launcher import run_local_workers
 
         return run_local_workers(int(argv[1]), argv[2:])
-    import tensorflow as tf
-
-    from returnn_tpu import checkpoints
-    from returnn_tpu.cluster import resolve_cluster
-    from returnn_tpu.optimizers import optimizer_from_config
-    from returnn_tpu.returnn_bridge import check_xla_compatible, start_returnn
-    from returnn_tpu.session_options import apply_session_options
-    from returnn_tpu.trainer import TASKS, NonFiniteScore, Stopped, Trainer, check_supported
+    from returnn_tpu.startup import TASKS, check_config, load_config
 
     cluster = None
     try:
         filename, overrides = split_args(argv)
-        config = start_returnn(filename, overrides)
+        config = load_config(filename, overrides)
         task = config.value("task", "train")
         if task not in TASKS:
             run_plain_returnn(config, filename, overrides)
-        # Everything that can be checked is checked before anything is written.
+        # Everything that can be checked is checked before anything is written, and what needs
+        # no TensorFlow before TensorFlow starts.
         options = distribute_options_from_config(config)
-        check_supported(config)
+        check_config(config)
+        from returnn_tpu.cluster import resolve_cluster
+        from returnn_tpu.optimizers import optimizer_from_config
+        from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
+        from returnn_tpu.session_options import apply_session_options
+        from returnn_tpu.startup import check_layer_classes
+        from returnn_tpu.trainer import Trainer
+
+        setup_returnn()
         optimizer_from_config(config)
+        check_layer_classes(config.typed_value("network", None))
         if options.jit_compile:
             check_xla_compatible(config.typed_value("network") or {})
         ignored = apply_session_options(config)
         cluster = resolve_cluster(options.cluster_resolver) if options.strategy in MULTI_WORKER_STRATEGIES else None
+        if cluster and cluster.num_workers > 1 and options.num_replicas and not _has_gpus():
+            raise ConfigError("distribute_options['num_replicas'] cannot be used with several CPU workers (each has "
+                              "one replica); remove it, or run on GPUs")
         if cluster and not cluster.is_chief:
             set_worker_log(config, cluster.worker_index)
         for path in config.list("log", []):
@@ -114,21 +120,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
-    except Stopped as exc:
+    except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
+        return _training_failure(exc, cluster)
+    return 0
+
+
+def _has_gpus() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def _training_failure(exc: Exception, cluster) -> int:
+    """One line and the exit status for the failures training reports so (see module doc);
+    re-raises any other exception."""
+    import tensorflow as tf
+
+    from returnn_tpu import checkpoints
+    from returnn_tpu.trainer import NonFiniteScore, Stopped
+
+    if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError) as exc:
+    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
-    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as exc:
-        if not (cluster and cluster.num_workers > 1):
-            raise
-        lost = ", ".join(cluster.workers_named_in(exc.message)) or "another worker"
-        reason = exc.message.strip().splitlines()[0]
-        print(f"returnn-tpu: error: worker {cluster.worker_index}: lost {lost} in a collective "
-              f"(it died, hangs, or is unreachable): {reason}", file=sys.stderr)
-        return 1
-    return 0
+    if not isinstance(exc, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)) \
+            or not (cluster and cluster.num_workers > 1):
+        raise exc
+    lost = ", ".join(cluster.workers_named_in(exc.message)) or "another worker"
+    reason = exc.message.strip().splitlines()[0]
+    print(f"returnn-tpu: error: worker {cluster.worker_index}: lost {lost} in a collective "
+          f"(it died, hangs, or is unreachable): {reason}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -127,31 +127,11 @@ def _make_returnn_gradients_tape_aware():
 
 
 def start_returnn(config_filename: str, overrides: List[str]):
-    """Loads the config and sets RETURNN's process-global state as its ``rnn.py`` does.
+    """Loads the config as RETURNN's ``rnn.py`` does (:func:`returnn_tpu.startup.load_config`)
+    and sets RETURNN up for TF2 (:func:`setup_returnn`). Nothing is written. Returns the config."""
+    from returnn_tpu.startup import load_config
 
-    RETURNN's own ``init_config`` loads the file with the ``++key value`` overrides applied
-    before and after (so config code can read them and they win), makes it the global config
-    and applies the config's ``behavior_version``. The backend is chosen by RETURNN's
-    ``select_engine`` from ``backend`` / ``use_tensorflow``, falling back to the TF net-dict
-    backend (the only one this package trains); RETURNN's low-level ``"tensorflow"`` frontend
-    backend would raise the minimum behavior version to 16 and change what old configs mean
-    (FACTS.md, "backend and behavior version"). Nothing is written. Returns the config.
-    """
-    import returnn.__main__ as rnn
-    from returnn.util.basic import BackendEngine
-
-    try:
-        rnn.init_config(config_filename=config_filename, command_line_options=overrides)
-    except SyntaxError as exc:
-        raise ConfigError(f"config file {config_filename!r} has a Python syntax error in line {exc.lineno}: {exc.msg}") from None
-    config = rnn.config
-    backend = config.value("backend", None)
-    if backend not in (None, "tensorflow-net-dict"):
-        raise ConfigError(
-            f"backend {backend!r} is not supported: returnn-tpu trains RETURNN's TensorFlow network-dict "
-            "configs (backend 'tensorflow-net-dict' or use_tensorflow = True)"
-        )
-    BackendEngine.select_engine(config=config, default_fallback_engine=BackendEngine.TensorFlowNetDict)
+    config = load_config(config_filename, overrides)
     setup_returnn()
     return config
 

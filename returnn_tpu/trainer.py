@@ -27,21 +27,9 @@ from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, Ste
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 from returnn_tpu.strategies import is_local_sgd, make_strategy
+from returnn_tpu.startup import check_supported
 from returnn_tpu.sync import SyncDue, SyncSchedule, make_averaging
 from returnn_tpu.workers import WorkerCollectives
-
-TASKS = ("train", "initialize_model")  # the tasks returnn-tpu runs itself; cli hands others to RETURNN
-
-# Options that change what is trained and that this trainer does not implement: stop, don't ignore.
-UNSUPPORTED_TRAINING_OPTIONS = {
-    "update_batch_size": "update_batch_size",
-    "use_horovod": "Horovod (use distribute_strategy instead)",
-    "use_last_best_model": "use_last_best_model",
-    "global_norm_tag": "global norms per tag",
-    "gradient_clip_global_norm_tag": "global norms per tag",
-    "decouple_constraints": "decoupled constraints (L2 as weight decay)",
-}
-
 
 class NonFiniteScore(RuntimeError):
     """The epoch's train score is NaN or Inf (RETURNN stops then, unless stop_on_nonfinite_train_score is off)."""
@@ -61,26 +49,6 @@ class Stopped(RuntimeError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.signum = signum
-
-
-def check_supported(config):
-    """Stops on config options that would change training and are not implemented."""
-    if config.value("task", "train") not in TASKS:
-        raise ConfigError(f"task must be one of {', '.join(map(repr, TASKS))} for the trainer, got {config.value('task', '')!r}")
-    from returnn.tensor import Dim
-
-    for key, opts in (config.typed_value("extern_data", None) or {}).items():
-        for field in ("dim_tags", "dims"):
-            dims = opts.get(field) if isinstance(opts, dict) else None
-            if dims is not None and not all(isinstance(dim, Dim) for dim in dims):
-                raise ConfigError(f"extern_data[{key!r}][{field!r}] must be a list of Dim objects "
-                                  f"(returnn.tensor.Dim, batch_dim), got {dims!r}")
-    for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
-        if config.typed_value(key, None) not in (None, False, 0):
-            raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")
-    accum = config.typed_value("accum_grad_multiple_step", None)
-    if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 0):
-        raise ConfigError(f"accum_grad_multiple_step must be an int >= 1, got {accum!r}")
 
 
 class Trainer:
@@ -399,7 +367,8 @@ class Trainer:
             if progress:
                 progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
         if stats.steps == 0:
-            raise RuntimeError(f"epoch {epoch}: the training data gave no batch for every replica")
+            raise ConfigError(f"train: epoch {epoch} has no batch for every replica (too few sequences, or all "
+                              "longer than max_seq_length); check the dataset and batching options")
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
         if self.averaging and self.sync_schedule.pending():
             self.sync(stats=stats)

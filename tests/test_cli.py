@@ -120,6 +120,7 @@ def test_bad_input_is_a_one_line_error(tmp_path, line, option):
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [l for l in result.stderr.splitlines() if l.startswith("returnn-tpu: error:")]
     assert len(lines) == 1 and option in lines[0], result.stderr[-2000:]
+    assert result.stderr.splitlines()[0] == lines[0]  # found before TensorFlow starts: no banner before it
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path) == ["train.config"]
 

@@ -76,6 +76,14 @@ def _tf_config_cluster(environ: Mapping[str, str]) -> Cluster:
         raise ConfigError(f"TF_CONFIG is not valid JSON: {exc}") from None
     if not tf_config.get("cluster") or not tf_config.get("task"):
         raise ConfigError("cluster_resolver 'tf_config' needs TF_CONFIG with 'cluster' and 'task'")
+    task_type, task_index = tf_config["task"].get("type"), tf_config["task"].get("index", 0)
+    if task_type not in ("worker", "chief"):
+        raise ConfigError(f"TF_CONFIG task type must be 'worker' or 'chief' (returnn-tpu has no parameter servers "
+                          f"or evaluators), got {task_type!r}")
+    tasks = tf_config["cluster"].get(task_type) or []
+    if not isinstance(task_index, int) or not 0 <= task_index < len(tasks):
+        raise ConfigError(f"TF_CONFIG task index must be an int in 0..{len(tasks) - 1} (the cluster has {len(tasks)} "
+                          f"{task_type} tasks), got {task_index!r}")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()
     workers = [f"{job}:{i}={address}" for job in spec.jobs for i, address in enumerate(spec.job_tasks(job))]

@@ -1,0 +1,189 @@
+"""Loading a RETURNN config and checking it, before TensorFlow is imported or anything written.
+
+:func:`load_config` reads the config as RETURNN's ``rnn.py`` does; :func:`check_config` finds
+the bad input a user can make in it (a typo, a value out of range, a path that cannot be
+written) and raises :class:`ConfigError` with one line naming the option and what is valid.
+Neither imports TensorFlow, so such an error is not preceded by TensorFlow's start-up lines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from returnn_tpu.errors import ConfigError
+
+TASKS = ("train", "initialize_model")  # the tasks returnn-tpu runs itself; cli hands others to RETURNN
+
+# Options that change what is trained and that this trainer does not implement: stop, don't ignore.
+UNSUPPORTED_TRAINING_OPTIONS = {
+    "update_batch_size": "update_batch_size",
+    "use_horovod": "Horovod (use distribute_strategy instead)",
+    "use_last_best_model": "use_last_best_model",
+    "global_norm_tag": "global norms per tag",
+    "gradient_clip_global_norm_tag": "global norms per tag",
+    "decouple_constraints": "decoupled constraints (L2 as weight decay)",
+}
+
+# (option, kind, smallest valid value, other valid values): numbers RETURNN reads with int()/float().
+NUMBERS = (
+    ("num_epochs", int, 1, ()),
+    ("save_interval", int, 1, ()),
+    ("batch_size", int, 1, ()),
+    ("max_seqs", int, 1, (-1,)),
+    ("max_seq_length", int, 1, (0, None)),
+    ("learning_rate", float, None, ()),
+    ("log_verbosity", int, 0, ()),
+)
+
+
+def load_config(config_filename: str, overrides):
+    """Loads the config and sets RETURNN's process-global state as its ``rnn.py`` does.
+
+    RETURNN's own ``init_config`` loads the file with the ``++key value`` overrides applied
+    before and after (so config code can read them and they win), makes it the global config
+    and applies the config's ``behavior_version``. The backend is chosen by RETURNN's
+    ``select_engine`` from ``backend`` / ``use_tensorflow``, falling back to the TF net-dict
+    backend (the only one this package trains); RETURNN's low-level ``"tensorflow"`` frontend
+    backend would raise the minimum behavior version to 16 and change what old configs mean
+    (FACTS.md, "Backend and behavior version"). Nothing is written. Returns the config.
+    """
+    import returnn.__main__ as rnn
+    from returnn.util.basic import BackendEngine
+
+    _check_overrides(overrides)
+    try:
+        rnn.init_config(config_filename=config_filename, command_line_options=overrides)
+    except SyntaxError as exc:
+        raise ConfigError(f"config file {config_filename!r} has a Python syntax error in line {exc.lineno}: {exc.msg}") from None
+    config = rnn.config
+    backend = config.value("backend", None)
+    if backend not in (None, "tensorflow-net-dict"):
+        raise ConfigError(
+            f"backend {backend!r} is not supported: returnn-tpu trains RETURNN's TensorFlow network-dict "
+            "configs (backend 'tensorflow-net-dict' or use_tensorflow = True)"
+        )
+    BackendEngine.select_engine(config=config, default_fallback_engine=BackendEngine.TensorFlowNetDict)
+    return config
+
+
+def _check_overrides(overrides):
+    """``++key value`` pairs whose value RETURNN can read: it evaluates each value as Python."""
+    if len(overrides) % 2 or not all(key.startswith("++") and len(key) > 2 for key in overrides[::2]):
+        raise ConfigError(f"after the config file, give ++key value pairs, got {' '.join(overrides)!r}")
+    for key, value in zip(overrides[::2], overrides[1::2]):
+        try:
+            eval(value, {})  # as RETURNN's Config.parse_cmd_args does
+        except (NameError, SyntaxError):
+            raise ConfigError(f"{key} {value}: not a Python value; quote a string, as in {key} \"'{value}'\"") from None
+        except Exception:  # noqa: BLE001 (a value RETURNN itself will report on)
+            pass
+
+
+def check_config(config):
+    """Everything about the config that can be checked before TensorFlow starts (see module doc)."""
+    check_supported(config)
+    for key, kind, minimum, also_valid in NUMBERS:
+        _check_number(config, key, kind, minimum, also_valid)
+    learning_rate = config.typed_value("learning_rate", None)
+    if learning_rate is not None and not float(learning_rate) > 0:
+        raise ConfigError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+    if config.typed_value("train", None) is None:
+        raise ConfigError("config option 'train' (the training dataset) is missing")
+    if not config.value("model", None):
+        raise ConfigError("config option 'model' (where checkpoints go) is missing")
+    for key in ("train", "dev", "eval"):
+        _check_dataset(key, config.typed_value(key, None))
+    network = config.typed_value("network", None)
+    if isinstance(network, dict) and not config.typed_value("get_network", None) and not _has_loss(network):
+        raise ConfigError("network has no layer with a 'loss': there is nothing to train")
+    _check_writable("model", os.path.dirname(os.path.abspath(config.value("model", ""))))
+    for path in config.list("log", []):
+        if path not in ("stdout", "|"):
+            _check_writable("log", os.path.dirname(os.path.abspath(path)))
+
+
+def check_supported(config):
+    """Stops on config options that would change training and are not implemented."""
+    if config.value("task", "train") not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(map(repr, TASKS))} for the trainer, got {config.value('task', '')!r}")
+    from returnn.tensor import Dim
+
+    for key, opts in (config.typed_value("extern_data", None) or {}).items():
+        for field in ("dim_tags", "dims"):
+            dims = opts.get(field) if isinstance(opts, dict) else None
+            if dims is not None and not all(isinstance(dim, Dim) for dim in dims):
+                raise ConfigError(f"extern_data[{key!r}][{field!r}] must be a list of Dim objects "
+                                  f"(returnn.tensor.Dim, batch_dim), got {dims!r}")
+    for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
+        if config.typed_value(key, None) not in (None, False, 0):
+            raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")
+    accum = config.typed_value("accum_grad_multiple_step", None)
+    if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 0):
+        raise ConfigError(f"accum_grad_multiple_step must be an int >= 1, got {accum!r}")
+
+
+def check_layer_classes(network: Optional[dict], where: str = "network"):
+    """Every layer's ``class`` is one RETURNN knows (imports RETURNN's TF layers, so TensorFlow)."""
+    from returnn.tf.layers.basic import get_layer_class
+
+    for name, layer in (network or {}).items():
+        if not isinstance(layer, dict):
+            continue
+        cls = layer.get("class")
+        if isinstance(cls, str):
+            try:
+                get_layer_class(cls)
+            except Exception:  # noqa: BLE001 (RETURNN raises a bare Exception or KeyError)
+                raise ConfigError(f"{where}[{name!r}]: unknown layer class {cls!r}") from None
+        for key in ("subnetwork", "unit"):
+            if isinstance(layer.get(key), dict):
+                check_layer_classes(layer[key], f"{where}[{name!r}][{key!r}]")
+
+
+def _check_number(config, key: str, kind, minimum, also_valid):
+    raw = config.typed_value(key, None)
+    if raw is None or raw in also_valid:
+        return
+    what = f"{'an int' if kind is int else 'a number'}" + (f" >= {minimum}" if minimum is not None else "")
+    if isinstance(raw, bool) or isinstance(raw, (dict, list, tuple)):
+        if key == "learning_rate" or isinstance(raw, bool):
+            raise ConfigError(f"{key} must be {what}, got {raw!r}")
+        return  # e.g. batch_size per data key: RETURNN checks it
+    try:
+        value = kind(raw) if not isinstance(raw, str) else kind(float(raw)) if kind is int else float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be {what}, got {raw!r}") from None
+    if kind is int and isinstance(raw, (str, float)) and float(raw) != int(float(raw)):
+        raise ConfigError(f"{key} must be {what}, got {raw!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key} must be {what}" + (f" (or {also_valid[0]})" if also_valid else "") + f", got {raw!r}")
+
+
+def _check_dataset(key: str, opts):
+    if not isinstance(opts, dict):
+        return  # a file name or a "config:" reference: RETURNN's init_dataset resolves it
+    from returnn.datasets.basic import get_dataset_class
+
+    name = opts.get("class")
+    if not isinstance(name, str) or get_dataset_class(name) is None:
+        raise ConfigError(f"{key}: unknown dataset class {name!r}; see RETURNN's returnn/datasets for the classes")
+
+
+def _has_loss(net: dict) -> bool:
+    for layer in net.values():
+        if not isinstance(layer, dict):
+            continue
+        if layer.get("loss") or any(isinstance(layer.get(k), dict) and _has_loss(layer[k]) for k in ("subnetwork", "unit")):
+            return True
+    return False
+
+
+def _check_writable(option: str, folder: str):
+    """``folder`` can be created or written: its nearest existing ancestor is a writable folder."""
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise ConfigError(f"{option}: cannot write to {folder!r} ({existing!r} is "
+                          f"{'not a folder' if not os.path.isdir(existing) else 'not writable'})")

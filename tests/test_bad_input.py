@@ -1,0 +1,97 @@
+"""Bad input: one line naming the option and what is valid, exit status 2, nothing written.
+
+Most rows run the command's entry point in this process (fast); the config is the small one of
+test_cli.py plus one line, or the command line changed, or the environment.
+"""
+
+import json
+import os
+
+import pytest
+
+from test_cli import SMALL_CONFIG
+
+FILE = "a file, not a folder"
+
+# (what is added to the config, extra command-line arguments, environment, text the error must contain)
+ROWS = [
+    ('distribute_strategy = "allreduce"', [], {}, "distribute_strategy must be one of"),
+    ('distribute_options = {"sync_every": 3}', [], {}, "unknown key 'sync_every'"),
+    ('distribute_options = {"param_sync_step": 0}', [], {}, "param_sync_step'] must be an int >= 1"),
+    ('distribute_options = {"param_sync_step": -1}', [], {}, "param_sync_step'] must be an int >= 1"),
+    ('distribute_options = {"param_sync_step": "5"}', [], {}, "param_sync_step'] must be an int >= 1"),
+    ('distribute_options = {"num_replicas": 0}', [], {}, "num_replicas'] must be an int >= 1"),
+    ('distribute_options = {"param_sync_step": 4, "param_sync_time_diff": 10}', [], {}, "not both"),
+    ('distribute_options = {"param_sync_time_diff": -2}', [], {}, "param_sync_time_diff'] must be a number"),
+    ('distribute_options = {"startup_timeout": 0}', [], {}, "startup_timeout'] must be a number"),
+    ('distribute_options = {"cluster_resolver": "slurm"}', [], {}, "cluster_resolver'] must be one of"),
+    ('distribute_options = {"dataset_distribution": "split"}', [], {}, "dataset_distribution'] must be one of"),
+    ('distribute_options = {"jit_compile": "yes"}', [], {}, "jit_compile'] must be True or False"),
+    ('distribute_options = {"bucket_boundaries": [0, 10]}', [], {}, "bucket_boundaries'] must be a list"),
+    ('distribute_options = {"outer_optimizer": {"class": "adam"}}', [], {}, "outer_optimizer'] must be None or"),
+    ('distribute_options = {"sync_dtype": "int8"}', [], {}, "sync_dtype'] must be one of"),
+    ('distribute_options = {"skip_nonfinite_steps": 1}', [], {}, "skip_nonfinite_steps'] must be True or False"),
+    ('distribute_strategy = "mirrored"\ndistribute_options = {"param_sync_step": 3}', [], {},
+     "is an option of local SGD"),
+    ('distribute_strategy = "single"\ndistribute_options = {"num_replicas": 2}', [], {}, "must be 1 with"),
+    ("distribute_options = [1]", [], {}, "distribute_options must be a dict"),
+    ("save_interval = 0", [], {}, "save_interval must be an int >= 1"),
+    ("num_epochs = 0", [], {}, "num_epochs must be an int >= 1"),
+    ("num_epochs = -3", [], {}, "num_epochs must be an int >= 1"),
+    ("", ["++num_epochs", "abc"], {}, "++num_epochs abc: not a Python value"),
+    ("", ["++learning_rate", "1e"], {}, "++learning_rate 1e: not a Python value"),
+    ("", ["++num_epochs"], {}, "give ++key value pairs"),
+    ("", ["++num_epochs", "'x'"], {}, "num_epochs must be an int >= 1, got 'x'"),
+    ('learning_rate = "fast"', [], {}, "learning_rate must be a number"),
+    ("learning_rate = -0.1", [], {}, "learning_rate must be a number > 0"),
+    ("learning_rate = 0", [], {}, "learning_rate must be a number > 0"),
+    ("batch_size = 0", [], {}, "batch_size must be an int >= 1"),
+    ("max_seqs = 0", [], {}, "max_seqs must be an int >= 1"),
+    ("log_verbosity = 'loud'", [], {}, "log_verbosity must be an int"),
+    ("accum_grad_multiple_step = 'two'", [], {}, "accum_grad_multiple_step must be an int >= 1"),
+    ('train = {"class": "Task12AXDatasett", "num_seqs": 40}', [], {}, "train: unknown dataset class 'Task12AXDatasett'"),
+    ('dev = {"class": "HDFDatset", "files": []}', [], {}, "dev: unknown dataset class 'HDFDatset'"),
+    ("del train", [], {}, "'train' (the training dataset) is missing"),
+    ("del model", [], {}, "'model' (where checkpoints go) is missing"),
+    (f'model = "{FILE}/model"', [], {}, "model: cannot write to"),
+    (f'log = "{FILE}/sub/train.log"', [], {}, "log: cannot write to"),
+    ('network["output"]["class"] = "softmaxx"', [], {}, "network['output']: unknown layer class 'softmaxx'"),
+    ('network["fw0"]["class"] = "recc"', [], {}, "network['fw0']: unknown layer class 'recc'"),
+    ('network["output"].pop("loss")', [], {}, "network has no layer with a 'loss'"),
+    ('optimizer = {"class": "adagradd"}', [], {}, "optimizer class 'adagradd' is not supported"),
+    ('optimizer = {"class": "adam", "beta_1": 0.9}', [], {}, "got unsupported options ['beta_1']"),
+    ("use_horovod = True", [], {}, "'use_horovod' (Horovod (use distribute_strategy instead)) is not supported"),
+    ('backend = "torch"', [], {}, "backend 'torch' is not supported"),
+    ('task = "train"\nif True:\nx = 1', [], {}, "Python syntax error in line"),
+    ('extern_data = {"data": {"dim_tags": ["T"]}}', [], {}, "must be a list of Dim objects"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                       "task": {"type": "worker", "index": 5}})}, "TF_CONFIG task index must be"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
+                                       "task": {"type": "ps", "index": 0}})}, "TF_CONFIG task type must be"),
+    ("", [], {"TF_CONFIG": "{not json"}, "TF_CONFIG is not valid JSON"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                       "task": {"type": "worker", "index": 1}}),
+              "NUM_REPLICAS_LINE": "1"}, "cannot be used with several CPU workers"),
+]
+
+
+@pytest.mark.parametrize("line,args,env,message", ROWS, ids=[f"{i:02d}" for i in range(len(ROWS))])
+def test_bad_input(tmp_path, monkeypatch, capsys, line, args, env, message):
+    from returnn_tpu import cli
+
+    assert len(ROWS) >= 40
+    config = SMALL_CONFIG.replace('distribute_options = {"num_replicas": 2, "param_sync_step": 2}\n', "")
+    if env.pop("NUM_REPLICAS_LINE", None):
+        line = 'distribute_options = {"num_replicas": 2}'
+    log = "" if line.startswith("log =") else "log = 'out/train.log'\n"
+    (tmp_path / "train.config").write_text(config + log + line + "\n")
+    (tmp_path / FILE).write_text("")
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    status = cli.main(["train.config", *args])
+    err = capsys.readouterr().err
+    errors = [text for text in err.splitlines() if text.startswith("returnn-tpu: error:")]
+    assert status == 2, err[-3000:]
+    assert len(errors) == 1 and message in errors[0], err[-3000:]
+    assert sorted(os.listdir(tmp_path)) == sorted(["train.config", FILE])  # nothing written, not even the log
