@@ -129,9 +129,10 @@ def _make_returnn_gradients_tape_aware():
 def start_returnn(config_filename: str, overrides: List[str]):
     """Loads the config as RETURNN's ``rnn.py`` does (:func:`returnn_tpu.startup.load_config`)
     and sets RETURNN up for TF2 (:func:`setup_returnn`). Nothing is written. Returns the config."""
-    from returnn_tpu.startup import load_config
+    from returnn_tpu.startup import load_config, select_backend
 
     config = load_config(config_filename, overrides)
+    select_backend(config)
     setup_returnn()
     return config
 

@@ -42,14 +42,12 @@ def load_config(config_filename: str, overrides):
 
     RETURNN's own ``init_config`` loads the file with the ``++key value`` overrides applied
     before and after (so config code can read them and they win), makes it the global config
-    and applies the config's ``behavior_version``. The backend is chosen by RETURNN's
-    ``select_engine`` from ``backend`` / ``use_tensorflow``, falling back to the TF net-dict
-    backend (the only one this package trains); RETURNN's low-level ``"tensorflow"`` frontend
-    backend would raise the minimum behavior version to 16 and change what old configs mean
-    (FACTS.md, "Backend and behavior version"). Nothing is written. Returns the config.
+    and applies the config's ``behavior_version``. A backend other than the TF net-dict one is
+    an error (:func:`select_backend` then selects it); RETURNN's low-level ``"tensorflow"``
+    frontend backend would raise the minimum behavior version to 16 and change what old configs
+    mean (FACTS.md, "Backend and behavior version"). Nothing is written. Returns the config.
     """
     import returnn.__main__ as rnn
-    from returnn.util.basic import BackendEngine
 
     _check_overrides(overrides)
     try:
@@ -63,8 +61,15 @@ def load_config(config_filename: str, overrides):
             f"backend {backend!r} is not supported: returnn-tpu trains RETURNN's TensorFlow network-dict "
             "configs (backend 'tensorflow-net-dict' or use_tensorflow = True)"
         )
-    BackendEngine.select_engine(config=config, default_fallback_engine=BackendEngine.TensorFlowNetDict)
     return config
+
+
+def select_backend(config):
+    """RETURNN's backend choice for the config (the TF net-dict backend where it names none).
+    Imports TensorFlow (RETURNN registers its TF frontend here)."""
+    from returnn.util.basic import BackendEngine
+
+    BackendEngine.select_engine(config=config, default_fallback_engine=BackendEngine.TensorFlowNetDict)
 
 
 def _check_overrides(overrides):
