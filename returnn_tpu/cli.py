@@ -1,6 +1,7 @@
 """``returnn-tpu CONFIG [++key value ...]``: train a RETURNN config as RETURNN's ``rnn.py`` would.
 
-``returnn-tpu --local-workers N CONFIG ...`` runs N workers of one cluster on 127.0.0.1.
+``returnn-tpu --local-workers N [--max-restarts K] CONFIG ...`` runs N workers of one cluster on
+127.0.0.1 (and restarts all of them from the newest checkpoint up to K times after a failure).
 
 Exit status: 0 on success, 2 for bad input (one line on stderr naming the option; nothing is
 written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT) stopped it at
@@ -16,7 +17,7 @@ from typing import List, Optional
 
 from returnn_tpu.errors import ConfigError
 
-USAGE = "usage: returnn-tpu [--local-workers N] CONFIG [++key value ...]"
+USAGE = "usage: returnn-tpu [--local-workers N [--max-restarts K]] CONFIG [++key value ...]"
 
 
 def split_args(argv: List[str]):
@@ -66,12 +67,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(USAGE)
         return 0
     if argv and argv[0] == "--local-workers":
+        restarts = 0
+        if len(argv) > 3 and argv[2] == "--max-restarts":
+            if not argv[3].isdigit():
+                print(f"returnn-tpu: error: --max-restarts needs a number >= 0; {USAGE}", file=sys.stderr)
+                return 2
+            restarts = int(argv[3])
+            argv = argv[:2] + argv[4:]
         if len(argv) < 3 or not argv[1].isdigit() or int(argv[1]) < 1:
             print(f"returnn-tpu: error: --local-workers needs a number >= 1 and a config; {USAGE}", file=sys.stderr)
             return 2
         from returnn_tpu.launcher import run_local_workers
 
-        return run_local_workers(int(argv[1]), argv[2:])
+        return run_local_workers(int(argv[1]), argv[2:], max_restarts=restarts)
     from returnn_tpu.startup import TASKS, check_config, load_config
 
     cluster = None

@@ -9,6 +9,10 @@ is streamed with a ``[worker i]`` prefix. The launcher and its workers end toget
   is killed;
 * the workers get SIGKILL from the kernel if the launcher itself dies (``PR_SET_PDEATHSIG``).
 
+With ``max_restarts`` K, a job that failed (a worker lost, killed or crashed; not bad input,
+exit status 2, and not a stop by a signal) is started again, all workers on new ports, up to K
+times; each start resumes from the newest checkpoint, as torchrun's ``--max-restarts`` does.
+
 Exit status: the first non-zero status of a worker (a worker ended by a signal counts as 1), 0 if
 all succeed, 128 + the signal number when the launcher was stopped by a signal.
 """
@@ -71,8 +75,20 @@ def _stop(workers: List[subprocess.Popen], signum: int = signal.SIGTERM):
             proc.kill()
 
 
-def run_local_workers(num_workers: int, args: List[str]) -> int:
-    """Runs ``returnn-tpu ARGS`` as ``num_workers`` workers of one cluster; returns the exit status."""
+def run_local_workers(num_workers: int, args: List[str], max_restarts: int = 0) -> int:
+    """Runs ``returnn-tpu ARGS`` as ``num_workers`` workers of one cluster, restarted up to
+    ``max_restarts`` times after a failure; returns the exit status."""
+    for attempt in range(max_restarts + 1):
+        status = _run_once(num_workers, args)
+        if status in (0, 2) or status > 128 or attempt == max_restarts:
+            return status
+        print(f"returnn-tpu: the job failed (status {status}); restarting all {num_workers} workers from the newest "
+              f"checkpoint ({attempt + 1} of {max_restarts} restarts)", file=sys.stderr, flush=True)
+    return status
+
+
+def _run_once(num_workers: int, args: List[str]) -> int:
+    """One start of all workers; returns the job's exit status."""
     ports = free_local_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     received: List[int] = []  # signals sent to the launcher

@@ -31,7 +31,7 @@ def setup_returnn():
 
     Process-wide, independent of any config (the config's part is :func:`start_returnn`):
 
-    * Native ops are built without CUDA when TensorFlow has no GPU support (FACTS.md, "native ops").
+    * Native ops are built without CUDA when TensorFlow has no GPU support (FACTS.md, "Native ops").
     * ``returnn.tf.compat`` disables eager execution, v2 shapes and control flow v2; RETURNN keeps
       tensors and variables in sets and dict keys, so tensor equality goes off (FACTS.md, "TF2 mode").
     * ``NativeLstm2`` calls ``set_shape`` on its weights; distributed variables refuse that, so

@@ -3,7 +3,8 @@
 :func:`load_config` reads the config as RETURNN's ``rnn.py`` does; :func:`check_config` finds
 the bad input a user can make in it (a typo, a value out of range, a path that cannot be
 written) and raises :class:`ConfigError` with one line naming the option and what is valid.
-Neither imports TensorFlow, so such an error is not preceded by TensorFlow's start-up lines.
+Neither imports TensorFlow, so such an error is not preceded by TensorFlow's start-up lines
+(FACTS.md, "What imports TensorFlow").
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def load_config(config_filename: str, overrides):
         rnn.init_config(config_filename=config_filename, command_line_options=overrides)
     except SyntaxError as exc:
         raise ConfigError(f"config file {config_filename!r} has a Python syntax error in line {exc.lineno}: {exc.msg}") from None
+    except NameError as exc:  # RETURNN evaluates an override of a non-string config value as Python
+        culprit = next((f"{key} {value}" for key, value in zip(overrides[::2], overrides[1::2])
+                        if getattr(exc, "name", None) and exc.name in value), "a ++key value override")
+        raise ConfigError(f"{culprit}: not a Python value ({exc}); quote a string, as in ++key \"'text'\"") from None
     config = rnn.config
     backend = config.value("backend", None)
     if backend not in (None, "tensorflow-net-dict"):
@@ -73,16 +78,9 @@ def select_backend(config):
 
 
 def _check_overrides(overrides):
-    """``++key value`` pairs whose value RETURNN can read: it evaluates each value as Python."""
+    """The command line after the config is ``++key value`` pairs (RETURNN asserts it)."""
     if len(overrides) % 2 or not all(key.startswith("++") and len(key) > 2 for key in overrides[::2]):
         raise ConfigError(f"after the config file, give ++key value pairs, got {' '.join(overrides)!r}")
-    for key, value in zip(overrides[::2], overrides[1::2]):
-        try:
-            eval(value, {})  # as RETURNN's Config.parse_cmd_args does
-        except (NameError, SyntaxError):
-            raise ConfigError(f"{key} {value}: not a Python value; quote a string, as in {key} \"'{value}'\"") from None
-        except Exception:  # noqa: BLE001 (a value RETURNN itself will report on)
-            pass
 
 
 def check_config(config):

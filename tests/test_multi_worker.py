@@ -205,12 +205,13 @@ def test_worker_dying_during_training_is_named(tmp_path):
     assert len(errors) == 1 and f"lost worker 1 (127.0.0.1:{ports[1]})" in errors[0], stderr[-2000:]
 
 
-def _launch(tmp_path):
+def _launch(tmp_path, num_seqs="2000", num_epochs=50, launcher_args=()):
     """``returnn-tpu --local-workers 2`` on a long run; returns the launcher once training is under way."""
-    write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=50,
+    write_config(tmp_path / "train.config", num_seqs=num_seqs, num_epochs=num_epochs,
                  options={"param_sync_step": 3, "startup_timeout": 120})
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    launcher = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "--local-workers", "2", "train.config"],
+    launcher = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "--local-workers", "2", *launcher_args,
+                                 "train.config"],
                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not os.path.exists(tmp_path / "out" / "model.001.index"):
@@ -282,3 +283,15 @@ def test_threads_stay_flat_with_a_sync_every_step(tmp_path):
     print(f"threads after each epoch of {[m['syncs'] for m in metrics]} syncs: {threads}")
     assert all(m["syncs"] >= 50 for m in metrics)
     assert max(threads) - min(threads) <= 5, threads  # with a timeout per collective: +190 per epoch
+
+
+def test_max_restarts_resumes_the_job_after_a_lost_worker(tmp_path):
+    import signal
+
+    launcher = _launch(tmp_path, num_seqs="600", num_epochs=4, launcher_args=("--max-restarts", "1"))
+    os.kill(_workers_of(launcher)[1], signal.SIGKILL)
+    output, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "restarting all 2 workers from the newest checkpoint (1 of 1 restarts)" in output
+    assert re.search(r"start training at epoch [2-4]", output)  # the second start resumed
+    assert os.path.exists(tmp_path / "out" / "model.004.index")
