@@ -19,6 +19,8 @@ setup(
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16,<2.22"],
         "gpu": ["tensorflow[and-cuda]>=2.16,<2.22"],
+        # Cloud TPU VMs: TensorFlow's TPU build (newest 2.20) and, for named TPUs on GCE, the client.
+        "tpu": ["tensorflow-tpu>=2.16,<2.21", "cloud-tpu-client"],
         "mpi": ["mpi4py>=3.1"],  # SGE / mpirun clusters (cluster_resolver "mpi", "sge")
         "test": ["pytest>=7", "mpi4py>=3.1", "nbclient", "nbformat", "ipykernel", "matplotlib"],
     },

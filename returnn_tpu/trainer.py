@@ -10,6 +10,7 @@ combined model. With several workers, worker 0 (the chief) alone writes files.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Dict, List, Optional
 
@@ -212,6 +213,7 @@ class Trainer:
         return state
 
     def sync_state(self) -> Dict[str, tf.Variable]:
+        """The local-SGD state a checkpoint holds (none for plain averaging)."""
         return self.averaging.state_variables() if self.averaging else {}
 
     def _build(self, first_step: List, resume_epoch: int):
@@ -398,8 +400,6 @@ class Trainer:
     def request_stop(self, signum: int, _frame=None):
         """Signal handler: stop at the next step boundary (all workers agree on which). A second
         signal ends the process at once, as without this handler."""
-        import signal
-
         if self.stop_signal is not None:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -415,8 +415,6 @@ class Trainer:
                 return
         elif self.stop_signal is None:
             return
-        import signal
-
         signum = self.stop_signal or signal.SIGTERM  # a peer's signal
         newest = self.start_epoch() - 1
         raise Stopped(
