@@ -32,6 +32,12 @@ class EpochStats:
     sync_seconds: float = 0.0
     sync_bytes: int = 0  # what this worker handed to collectives between replicas (syncs or gradients)
     skipped_nonfinite: int = 0  # updates not applied: NaN/Inf loss or gradient (skip_nonfinite_steps)
+    step_seconds: float = 0.0  # in the train steps (syncs included): RETURNN's "computing time"
+    data_wait_seconds: float = 0.0  # waiting for the next batch
+
+    @property
+    def computing_time_share(self) -> float:
+        return self.step_seconds / self.seconds if self.seconds > 0 else 0.0
 
     def add_sync(self, seconds: float, sent_bytes: int, local: bool = False):
         if local:
@@ -194,6 +200,9 @@ class EpochReport:
             errors[f"{name}_score"] = result["score"]
             errors[f"{name}_error"] = result["error"]
         self.learning_rate_control.set_epoch_error(epoch, {k: v for k, v in errors.items() if v})
+        train_prefix = ("pre" if epoch_name.startswith("pretrain") else "") + f"train epoch {epoch}"
+        print(f"{train_prefix}, finished after {stats.steps} steps, {hms(stats.seconds)} elapsed "
+              f"({100 * stats.computing_time_share:.1f}% computing time)", file=self.log.v3)  # RETURNN's line
         print(f"{epoch_name} score: {format_score(train_score)} error: {format_score(train_error)} "
               f"elapsed: {hms(stats.seconds)}", file=self.log.v1)
         if dev_results:
@@ -209,7 +218,9 @@ class EpochReport:
                       train_score=single_or_dict(train_score), train_error=single_or_dict(train_error),
                       seconds=round(stats.seconds, 3), syncs=stats.syncs, local_syncs=stats.local_syncs,
                       sync_seconds=round(stats.sync_seconds, 4), sync_bytes=stats.sync_bytes,
-                      skipped_nonfinite_updates=stats.skipped_nonfinite, threads=process_threads())
+                      skipped_nonfinite_updates=stats.skipped_nonfinite, threads=process_threads(),
+                      computing_time_share=round(stats.computing_time_share, 4),
+                      data_wait_seconds=round(stats.data_wait_seconds, 3))
         record.update(extra or {})
         for name, result in dev_results.items():
             record[f"{name}_score"] = single_or_dict(result["score"])

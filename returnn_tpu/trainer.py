@@ -359,15 +359,19 @@ class Trainer:
         progress = StepProgress(self.log, prefix, self.exp_loss) if self.log.verbose[5] else None
         start = time.perf_counter()
         batches = self.epoch_batches(self.train_datasets, epoch, train=True)
+        waited_since = time.perf_counter()
         for step, (step_batches, _) in enumerate(batches):
             step_start = time.perf_counter()
+            stats.data_wait_seconds += step_start - waited_since
             metrics = self.train_step(step_batches, learning_rate, stats)
             scores.add(metrics)
+            stats.step_seconds += time.perf_counter() - step_start
             if (step + 1) % NONFINITE_CHECK_STEPS == 0:
                 self.check_nonfinite(epoch, stats)
             self._stop_if_requested(epoch, step)
             if progress:
                 progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
+            waited_since = time.perf_counter()
         if stats.steps == 0:
             raise ConfigError(f"train: epoch {epoch} has no batch for every replica (too few sequences, or all "
                               "longer than max_seq_length); check the dataset and batching options")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,9 +60,11 @@ def test_demo_trains_and_dev_score_improves(tmp_path):
                      and not k.startswith("optimize/"))
     assert all(m["sync_bytes"] == m["syncs"] * 4 * 4 * num_params for m in metrics), (num_params, metrics[0])
     assert metrics[0]["distribute_options"]["param_sync_step"] == 10
+    assert all(0.5 < m["computing_time_share"] <= 1 and m["data_wait_seconds"] >= 0 for m in metrics), metrics
     with open(tmp_path / "train.log") as f:
         log = f.read()
     assert "epoch 5 score:" in log and "dev: score" in log
+    assert re.search(r"train epoch 5, finished after \d+ steps, 0:00:\d\d elapsed \(\d+\.\d% computing time\)", log)
     assert "ignoring tf_session_opts['gpu_options']['per_process_gpu_memory_fraction']" in log
     # TensorBoard, as RETURNN writes it beside the model: train-<time>/ and dev-<epoch>-<time>/.
     assert tensorboard_tags(tmp_path, "train-*") == {"loss_output", "error_output", "learning_rate", "sync_seconds"}
