@@ -97,13 +97,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         from returnn_tpu.optimizers import optimizer_from_config
         from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
         from returnn_tpu.session_options import apply_session_options
-        from returnn_tpu.startup import check_layer_classes, select_backend
+        from returnn_tpu.startup import check_classes, select_backend
         from returnn_tpu.trainer import Trainer
 
         select_backend(config)
         setup_returnn()
         optimizer_from_config(config)
-        check_layer_classes(config.typed_value("network", None))
+        check_classes(config)
         if options.jit_compile:
             check_xla_compatible(config.typed_value("network") or {})
         ignored = apply_session_options(config)

@@ -95,8 +95,6 @@ def check_config(config):
         raise ConfigError("config option 'train' (the training dataset) is missing")
     if not config.value("model", None):
         raise ConfigError("config option 'model' (where checkpoints go) is missing")
-    for key in ("train", "dev", "eval"):
-        _check_dataset(key, config.typed_value(key, None))
     network = config.typed_value("network", None)
     if isinstance(network, dict) and not config.typed_value("get_network", None) and not _has_loss(network):
         raise ConfigError("network has no layer with a 'loss': there is nothing to train")
@@ -126,8 +124,17 @@ def check_supported(config):
         raise ConfigError(f"accum_grad_multiple_step must be an int >= 1, got {accum!r}")
 
 
+def check_classes(config):
+    """Every dataset and layer class the config names is one RETURNN knows. Imports RETURNN's
+    dataset and TF layer modules (TensorFlow): run after RETURNN is set up for TF2 (FACTS.md,
+    "What imports TensorFlow")."""
+    for key in ("train", "dev", "eval"):
+        _check_dataset(key, config.typed_value(key, None))
+    check_layer_classes(config.typed_value("network", None))
+
+
 def check_layer_classes(network: Optional[dict], where: str = "network"):
-    """Every layer's ``class`` is one RETURNN knows (imports RETURNN's TF layers, so TensorFlow)."""
+    """Every layer's ``class`` is one RETURNN knows."""
     from returnn.tf.layers.basic import get_layer_class
 
     for name, layer in (network or {}).items():
