@@ -50,7 +50,7 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(prefix))).free
         raise CheckpointWriteError(
             f"could not write checkpoint {prefix} ({free / 1e6:.1f} MB free there): "
-            f"{str(getattr(exc, 'message', exc)).strip().splitlines()[0]}"
+            f"{_first_line(exc)}"
         ) from None
     data_suffix = ".data-00000-of-00001"
     os.replace(tmp_prefix + data_suffix, prefix + data_suffix)
@@ -66,6 +66,12 @@ class NonFiniteModel(RuntimeError):
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (e.g. the disk is full); names the path and free space."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (TensorFlow's errors run to many), or its type."""
+    text = str(getattr(exc, "message", exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def remove_stale_temporaries(model_filename: str, log_file=None):
@@ -96,7 +102,7 @@ def set_aside_unreadable(newest: Callable[[], Optional[str]], log_file=None):
             load(prefix)
             return
         except Exception as exc:  # noqa: BLE001 (any reason a bundle does not load: truncation, garbage)
-            reason = str(getattr(exc, "message", exc)).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = _first_line(exc)
             os.replace(prefix + ".index", prefix + ".index.unreadable")
             print(f"returnn-tpu: warning: checkpoint {prefix} does not load ({reason}); renamed its index to "
                   f"{prefix}.index.unreadable, resuming from the checkpoint before it", file=log_file)

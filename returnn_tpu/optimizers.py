@@ -83,11 +83,11 @@ class Optimizer:
         grads_and_vars: Sequence[Tuple[Any, tf.Variable]],
         learning_rate: tf.Tensor,
         *,
-        reduce: bool = True,
-        apply_if=True,
+        reduce: bool,
+        apply_if,
     ):
         """Updates all copies with the gradients: their mean over the replicas, or (``reduce``
-        False: local SGD) each replica's own. A copy whose ``apply_if`` (a bool, or one per
+        False: local SGD) each replica's own. A copy whose ``apply_if`` (a bool tensor, or one per
         replica) is False is left as it is, slots included; the step counts still advance."""
         if reduce:
             reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, list(grads_and_vars))
@@ -111,10 +111,10 @@ class Optimizer:
         grads_and_vars: Sequence[Tuple[tf.Tensor, tf.Variable]],
         learning_rate: tf.Tensor,
         *,
-        apply_if=True,
+        apply_if,
     ):
         """In replica context (TPU-style steps): applies the gradients as given (already averaged
-        for synchronous training) to this replica's copies, if ``apply_if``."""
+        for synchronous training) to this replica's copies, if ``apply_if`` (a bool tensor)."""
         strategy.extended.update(self.step, lambda v: v.assign_add(1))
         step = strategy.extended.update(self.slot_step, lambda v: v.assign_add(1))
         for grad, var in grads_and_vars:
@@ -123,9 +123,6 @@ class Optimizer:
             )
 
     def _apply_dense_if(self, var, grad, slots, lr, step, apply_if):
-        if apply_if is True:
-            return self._apply_dense(var, grad, slots, lr, step)
-
         def apply():
             with tf.control_dependencies([self._apply_dense(var, grad, slots, lr, step)]):
                 return tf.constant(True)

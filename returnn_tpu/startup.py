@@ -26,15 +26,15 @@ UNSUPPORTED_TRAINING_OPTIONS = {
     "decouple_constraints": "decoupled constraints (L2 as weight decay)",
 }
 
-# (option, kind, smallest valid value, other valid values): numbers RETURNN reads with int()/float().
+# (option, whether it is an int, what is valid, the test): numbers RETURNN reads with int()/float().
 NUMBERS = (
-    ("num_epochs", int, 1, ()),
-    ("save_interval", int, 1, ()),
-    ("batch_size", int, 1, ()),
-    ("max_seqs", int, 1, (-1,)),
-    ("max_seq_length", int, 1, (0, None)),
-    ("learning_rate", float, None, ()),
-    ("log_verbosity", int, 0, ()),
+    ("num_epochs", True, "an int >= 1", lambda v: v >= 1),
+    ("save_interval", True, "an int >= 1", lambda v: v >= 1),
+    ("batch_size", True, "an int >= 1", lambda v: v >= 1),
+    ("max_seqs", True, "an int >= 1 (or -1: no limit)", lambda v: v >= 1 or v == -1),
+    ("max_seq_length", True, "an int >= 0 (0: no limit)", lambda v: v >= 0),
+    ("learning_rate", False, "a number > 0", lambda v: v > 0),
+    ("log_verbosity", True, "an int >= 0", lambda v: v >= 0),
 )
 
 
@@ -86,11 +86,8 @@ def _check_overrides(overrides):
 def check_config(config):
     """Everything about the config that can be checked before TensorFlow starts (see module doc)."""
     check_supported(config)
-    for key, kind, minimum, also_valid in NUMBERS:
-        _check_number(config, key, kind, minimum, also_valid)
-    learning_rate = config.typed_value("learning_rate", None)
-    if learning_rate is not None and not float(learning_rate) > 0:
-        raise ConfigError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+    for key, integer, what, valid in NUMBERS:
+        _check_number(config, key, integer, what, valid)
     if config.typed_value("train", None) is None:
         raise ConfigError("config option 'train' (the training dataset) is missing")
     if not config.value("model", None):
@@ -151,23 +148,16 @@ def check_layer_classes(network: Optional[dict], where: str = "network"):
                 check_layer_classes(layer[key], f"{where}[{name!r}][{key!r}]")
 
 
-def _check_number(config, key: str, kind, minimum, also_valid):
+def _check_number(config, key: str, integer: bool, what: str, valid):
     raw = config.typed_value(key, None)
-    if raw is None or raw in also_valid:
-        return
-    what = f"{'an int' if kind is int else 'a number'}" + (f" >= {minimum}" if minimum is not None else "")
-    if isinstance(raw, bool) or isinstance(raw, (dict, list, tuple)):
-        if key == "learning_rate" or isinstance(raw, bool):
-            raise ConfigError(f"{key} must be {what}, got {raw!r}")
-        return  # e.g. batch_size per data key: RETURNN checks it
+    if raw is None or (isinstance(raw, (dict, list, tuple)) and key != "learning_rate"):
+        return  # e.g. batch_size or max_seq_length per data key: RETURNN checks those
     try:
-        value = kind(raw) if not isinstance(raw, str) else kind(float(raw)) if kind is int else float(raw)
+        value = None if isinstance(raw, bool) else float(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key} must be {what}, got {raw!r}") from None
-    if kind is int and isinstance(raw, (str, float)) and float(raw) != int(float(raw)):
+        value = None
+    if value is None or (integer and value != int(value)) or not valid(value):
         raise ConfigError(f"{key} must be {what}, got {raw!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{key} must be {what}" + (f" (or {also_valid[0]})" if also_valid else "") + f", got {raw!r}")
 
 
 def _check_dataset(key: str, opts):

@@ -65,7 +65,6 @@ class ReplicaSteps:
         self.accumulators: Optional[Dict[str, tf.Variable]] = {} if accumulate else None  # per-replica gradient sums
         self.num_replicas = strategy.num_replicas_in_sync  # over all workers
         self.local_replicas = len(strategy.extended.worker_devices)
-        self.num_workers = self.num_replicas // self.local_replicas
         self.first_replica = worker_index * self.local_replicas  # global index of this worker's first
         self.local_sgd = is_local_sgd(strategy)
         if self.local_sgd and averaging is None:
@@ -74,6 +73,7 @@ class ReplicaSteps:
         self.trainable_names: Optional[List[str]] = None  # known after the first trace
         self.compiled_shapes = set()  # input shapes the XLA replica step was compiled for
         self.nonfinite: Dict[str, tf.Variable] = {}  # see take_nonfinite()
+        self.gradient_bytes = 0  # this worker's gradients in one update's all-reduce (synchronous strategies)
         # With XLA: one trace (and compilation) per bucket shape; else one trace for all shapes.
         self._train = tf.function(
             self._train_in_replica_fn if self.in_step else self._train_fn,
@@ -119,9 +119,11 @@ class ReplicaSteps:
                                  synchronization=tf.VariableSynchronization.ON_READ,
                                  aggregation=tf.VariableAggregation.SUM)
                 for key, dtype in (("count", tf.int64), ("first_step", tf.int64), ("first_loss", tf.float32))
-            } if not self.nonfinite else self.nonfinite
+            }
+        sizes = {name: var.shape.num_elements() * var.dtype.size for name, var in self.trainable().items()}
+        if not self.local_sgd and self.num_replicas > 1:  # each update all-reduces the gradients
+            self.gradient_bytes = self.local_replicas * sum(sizes.values())
         if self.local_sgd:
-            sizes = {name: var.shape.num_elements() * var.dtype.size for name, var in self.trainable().items()}
             self.fragments = split_into_fragments(sizes, self.num_fragments)
             self.averaging.create_state(self.strategy, self.trainable())
         self._train.get_concrete_function(*self._train_args(batches, 0.0, None))
@@ -157,17 +159,10 @@ class ReplicaSteps:
         """Makes all copies, on all workers, one model and the averaging's anchor (no outer step)."""
         self._start_sync()
 
-    def sync_bytes(self, due: Optional[SyncDue] = None) -> int:
-        """Bytes this worker hands to collectives between workers for one sync of ``due`` (local SGD)
-        or, without ``due``, for one update's gradient all-reduce (synchronous strategies)."""
-        if self.num_replicas == 1:
-            return 0
-        if due is None:
-            if self.local_sgd:
-                return 0
-            return self.local_replicas * sum(v.shape.num_elements() * v.dtype.size for v in self.trainable().values())
-        if due.local:
-            return 0  # within one worker
+    def sync_bytes(self, due: SyncDue) -> int:
+        """Bytes this worker hands to the collective of one local-SGD sync of ``due``."""
+        if self.num_replicas == 1 or due.local:
+            return 0  # nothing leaves the replica, or the worker
         variables = self.trainable()
         names = [name for i in due.fragments for name in self.fragments[i]]
         return self.local_replicas * self.averaging.bytes_per_replica(

@@ -341,7 +341,7 @@ class Trainer:
         self.learning_rate = learning_rate
         due = self.sync_schedule.step() if self.averaging else None  # param_sync_step counts updates
         metrics = self.steps.train(step_batches, learning_rate, due if self.steps.in_step else None)
-        stats.sync_bytes += self.steps.sync_bytes()  # synchronous strategies: the gradients
+        stats.sync_bytes += self.steps.gradient_bytes  # synchronous strategies: the gradients
         if due and self.steps.in_step:
             stats.add_sync(0.0, self.steps.sync_bytes(due), local=due.local)  # inside the step: not timed
         elif due:

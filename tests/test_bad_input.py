@@ -39,7 +39,7 @@ ROWS = [
     ("num_epochs = 0", [], {}, "num_epochs must be an int >= 1"),
     ("num_epochs = -3", [], {}, "num_epochs must be an int >= 1"),
     ("", ["++num_epochs", "abc"], {}, "++num_epochs abc: not a Python value"),
-    ("", ["++learning_rate", "1e"], {}, "learning_rate must be a number, got '1e'"),
+    ("", ["++learning_rate", "1e"], {}, "learning_rate must be a number > 0, got '1e'"),
     ("", ["++num_epochs"], {}, "give ++key value pairs"),
     ("", ["++num_epochs", "'x'"], {}, "num_epochs must be an int >= 1, got 'x'"),
     ('learning_rate = "fast"', [], {}, "learning_rate must be a number"),
