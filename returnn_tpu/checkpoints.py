@@ -15,7 +15,7 @@ import glob
 import os
 import re
 import shutil
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, NamedTuple, Optional
 
 import numpy
 import tensorflow as tf
@@ -72,6 +72,54 @@ def _first_line(exc: BaseException) -> str:
     """The first line of an exception's message (TensorFlow's errors run to many), or its type."""
     text = str(getattr(exc, "message", exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+INTERRUPTED_MARK = ".interrupted"  # <epoch prefix>.interrupted: the model of an epoch stopped by a signal
+_EPOCH_KEY = "returnn_tpu/interrupted_epoch"
+_STEPS_KEY = "returnn_tpu/interrupted_steps_done"
+
+
+class Interrupted(NamedTuple):
+    """A checkpoint written when a signal stopped an epoch: resume continues that epoch there."""
+
+    prefix: str
+    epoch: int
+    steps_done: int
+
+
+def save_interrupted(model_filename: str, prefix: str, variables: Mapping[str, tf.Variable], *, epoch: int,
+                     steps_done: int):
+    """Writes ``prefix`` (an epoch's prefix + :data:`INTERRUPTED_MARK`): the model of an epoch
+    stopped after ``steps_done`` steps, with those two numbers, and removes any older interrupted
+    checkpoint of ``model_filename``. RETURNN's own resume ignores the file (its name is no
+    epoch's); its ``load`` option reads it as any checkpoint."""
+    save(prefix, {**variables, _EPOCH_KEY: tf.constant(epoch, tf.int64), _STEPS_KEY: tf.constant(steps_done, tf.int64)})
+    remove_interrupted(model_filename, keep=prefix)
+
+
+def _interrupted_prefixes(model_filename: str):
+    pattern = glob.escape(model_filename) + ".*" + INTERRUPTED_MARK + ".index"
+    return [path[: -len(".index")] for path in glob.glob(pattern)]
+
+
+def interrupted(model_filename: str, start_epoch: int) -> Optional[Interrupted]:
+    """The interrupted checkpoint to resume from: of an epoch at or after ``start_epoch`` (the one
+    after the newest complete epoch's checkpoint); None if there is none."""
+    found = []
+    for prefix in _interrupted_prefixes(model_filename):
+        reader = tf.train.load_checkpoint(prefix)
+        found.append(Interrupted(prefix, int(reader.get_tensor(_EPOCH_KEY)), int(reader.get_tensor(_STEPS_KEY))))
+    found = [entry for entry in found if entry.epoch >= start_epoch]
+    return max(found, key=lambda entry: entry.epoch) if found else None
+
+
+def remove_interrupted(model_filename: str, keep: Optional[str] = None):
+    """Deletes the interrupted checkpoints of ``model_filename`` (but ``keep``): a later complete
+    epoch's checkpoint, or a newer interruption, replaces them."""
+    for prefix in _interrupted_prefixes(model_filename):
+        if prefix != keep:
+            for path in glob.glob(glob.escape(prefix) + ".*"):
+                os.remove(path)
 
 
 def remove_stale_temporaries(model_filename: str, log_file=None):

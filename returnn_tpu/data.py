@@ -266,6 +266,7 @@ class EpochBatches:
         self.slots = slots if slots is not None else range(len(self.datasets))
         self.num_slots = num_slots or len(self.slots)
         self.prefetch = prefetch
+        self.first_step = 0
         self.batching = batching
         self.batch_lists = []
         for dataset in self.datasets:
@@ -286,6 +287,12 @@ class EpochBatches:
     def limit_steps(self, num_steps: int):
         """Ends the epoch after ``num_steps`` steps (e.g. the minimum all workers can do)."""
         self.num_steps = min(self.num_steps, num_steps)
+
+    def start_at(self, step: int):
+        """Skips the first ``step`` steps (an epoch continued after an interruption); their
+        batches are not loaded. Batch lists depend only on the epoch, so the rest is what the
+        interrupted run would have trained."""
+        self.first_step = step
 
     def _raw_batch(self, dataset, batch) -> Batch:
         from returnn.engine.batch import batch_to_raw_dict
@@ -322,7 +329,7 @@ class EpochBatches:
 
         def produce():
             try:
-                for step in range(self.num_steps):
+                for step in range(self.first_step, self.num_steps):
                     if stop.is_set():
                         return
                     results.put(self._step(step))

@@ -3,7 +3,8 @@
 Each worker gets a ``TF_CONFIG`` for a cluster of N workers on free local ports. Their output
 is streamed with a ``[worker i]`` prefix. The launcher and its workers end together:
 
-* when one worker fails, the others get SIGTERM;
+* when one worker fails, the others get SIGTERM; when one stopped at a signal (status 128 + N),
+  the others are stopping at the same step boundary and are waited for;
 * SIGTERM or SIGINT to the launcher is passed on to every worker;
 * a worker still there :data:`GRACE_SECONDS` after its SIGTERM (hung, or stopped with SIGSTOP)
   is killed;
@@ -60,17 +61,18 @@ def _die_with_parent():
         pass
 
 
-def _stop(workers: List[subprocess.Popen], signum: int = signal.SIGTERM):
-    """Sends ``signum`` to the running workers, then SIGKILL to any still running after the grace period."""
+def _stop(workers: List[subprocess.Popen], signum: Optional[int] = signal.SIGTERM):
+    """Sends ``signum`` (None: nothing, they are stopping) to the running workers, then SIGKILL to
+    any still running after the grace period."""
     for proc in workers:
-        if proc.poll() is None:
+        if proc.poll() is None and signum is not None:
             proc.send_signal(signum)
     deadline = time.monotonic() + GRACE_SECONDS
     while time.monotonic() < deadline and any(proc.poll() is None for proc in workers):
         time.sleep(0.1)
     for index, proc in enumerate(workers):
         if proc.poll() is None:
-            print(f"returnn-tpu: worker {index} still running {GRACE_SECONDS:.0f} s after SIGTERM; killed",
+            print(f"returnn-tpu: worker {index} still running {GRACE_SECONDS:.0f} s after the job stopped; killed",
                   file=sys.stderr, flush=True)
             proc.kill()
 
@@ -119,7 +121,7 @@ def _run_once(num_workers: int, args: List[str]) -> int:
             failed = [proc.returncode for proc in workers if proc.returncode not in (None, 0)]
             if failed:
                 status = failed[0] if failed[0] > 0 else 1
-                _stop(workers)
+                _stop(workers, None if status > 128 else signal.SIGTERM)
                 break
             time.sleep(0.2)
     finally:

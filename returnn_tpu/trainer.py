@@ -117,7 +117,8 @@ class Trainer:
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
         self.stop_signal: Optional[int] = None  # set by request_stop
         self._built = False
-        self._resume_epoch = 0  # the checkpoint to restore when the variables are created
+        self._resume_epoch = 0  # the epoch of the checkpoint to restore when the variables are created
+        self._resume_prefix: Optional[str] = None  # that checkpoint (an epoch's, or an interrupted epoch's)
         self._network_epoch: Optional[int] = None  # the epoch whose network is built (None: none yet)
 
     def _replica_steps(self) -> ReplicaSteps:
@@ -216,14 +217,14 @@ class Trainer:
         """The local-SGD state a checkpoint holds (none for plain averaging)."""
         return self.averaging.state_variables() if self.averaging else {}
 
-    def _build(self, first_step: List, resume_epoch: int):
+    def _build(self, step_batches: List):
         """Creates all variables and traces the train step; restores the checkpoint when resuming."""
-        self.steps.create_variables(first_step)
+        self.steps.create_variables(step_batches)
         self._built = True
         copy_mode = self.networks.copy_param_mode(self.builder.net_dict, self._network_epoch)
         carry_over(self.builder.variables, copy_mode, self.first_copy, log_file=self.log.v3)
-        if resume_epoch:
-            filename = self.epoch_filename(resume_epoch)
+        if self._resume_prefix:
+            filename, self._resume_prefix = self._resume_prefix, None
             print(f"load model {filename}", file=self.log.v2)
             # A network that changes per epoch may differ from the checkpoint's network.
             model = {k: v for k, v in self.model_state().items() if k not in self.sync_state()}
@@ -304,24 +305,32 @@ class Trainer:
         print(f"returnn-tpu: cluster: {self.cluster.description}", file=self.log.v2)
         if self.cluster.is_chief:
             os.makedirs(os.path.dirname(os.path.abspath(self.model_filename)), exist_ok=True)
+        interrupted = checkpoints.interrupted(self.model_filename, start_epoch)
+        first_step = 0
+        if interrupted:
+            start_epoch, first_step = interrupted.epoch, interrupted.steps_done
         if start_epoch > self.num_epochs:
-            print(f"nothing to do: model for epoch {self.num_epochs} exists", file=self.log.v1)
+            print(f"nothing to do: training is at epoch {start_epoch}, num_epochs is {self.num_epochs}",
+                  file=self.log.v1)
             return
         print(
             f"returnn-tpu: strategy {self.options.strategy}, {self.cluster.num_workers} workers, "
-            f"{self.steps.num_replicas} replicas, start training at epoch {start_epoch}",
+            f"{self.steps.num_replicas} replicas, start training at epoch {start_epoch}"
+            + (f", step {first_step + 1} (interrupted there)" if interrupted else ""),
             file=self.log.v2,
         )
         self._resume_epoch = start_epoch - 1
+        self._resume_prefix = interrupted.prefix if interrupted else self._newest_checkpoint()
         for epoch in range(start_epoch, self.num_epochs + 1):
-            self.train_epoch(epoch)
+            self.train_epoch(epoch, first_step)
+            first_step = 0
 
     def initialize_model(self):
         """RETURNN's ``task = "initialize_model"``: the initial parameters of epoch 1's network,
         written to ``model`` (no epoch suffix), as RETURNN writes them."""
         self.use_network_of_epoch(1)
         step_batches, _ = next(iter(self.epoch_batches(self.train_datasets, 1, train=True)))
-        self._build(step_batches, 0)
+        self._build(step_batches)
         if self.cluster.is_chief:
             checkpoints.save(self.model_filename, self.model_state())
 
@@ -332,7 +341,7 @@ class Trainer:
         Returns the step's per-replica metrics (see :func:`loss_metrics`).
         """
         if not self._built:
-            self._build(step_batches, self._resume_epoch)
+            self._build(step_batches)
         stats = stats or EpochStats()
         stats.steps += 1
         self.micro_steps += 1
@@ -348,8 +357,9 @@ class Trainer:
             self.sync(due, stats)
         return metrics
 
-    def train_epoch(self, epoch: int):
-        """One epoch: train steps with periodic syncs, final sync, checkpoint, dev scores, logs."""
+    def train_epoch(self, epoch: int, first_step: int = 0):
+        """One epoch from step ``first_step`` (after an interruption there): train steps with
+        periodic syncs, final sync, checkpoint, dev scores, logs."""
         self.use_network_of_epoch(epoch)
         learning_rate = self.networks.learning_rate(epoch, self.learning_rate_control)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
@@ -359,8 +369,10 @@ class Trainer:
         progress = StepProgress(self.log, prefix, self.exp_loss) if self.log.verbose[5] else None
         start = time.perf_counter()
         batches = self.epoch_batches(self.train_datasets, epoch, train=True)
+        batches.start_at(first_step)
         waited_since = time.perf_counter()
-        for step, (step_batches, _) in enumerate(batches):
+        for step, (step_batches, _) in enumerate(batches, start=first_step):
+            self._stop_if_requested(epoch, step, stats)
             step_start = time.perf_counter()
             stats.data_wait_seconds += step_start - waited_since
             metrics = self.train_step(step_batches, learning_rate, stats)
@@ -368,11 +380,10 @@ class Trainer:
             stats.step_seconds += time.perf_counter() - step_start
             if (step + 1) % NONFINITE_CHECK_STEPS == 0:
                 self.check_nonfinite(epoch, stats)
-            self._stop_if_requested(epoch, step)
             if progress:
                 progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
             waited_since = time.perf_counter()
-        if stats.steps == 0:
+        if batches.num_steps == 0:
             raise ConfigError(f"train: epoch {epoch} has no batch for every replica (too few sequences, or all "
                               "longer than max_seq_length); check the dataset and batching options")
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
@@ -386,6 +397,7 @@ class Trainer:
             raise NonFiniteScore(f"{self.epoch_name(epoch)}: non-finite train score {scores.score()}; not saved")
         if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
             checkpoints.save(self.epoch_filename(epoch), self.model_state())
+            checkpoints.remove_interrupted(self.model_filename)
         print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
         xla = self._xla_report()
@@ -410,21 +422,30 @@ class Trainer:
         self.stop_signal = signum
         print(f"returnn-tpu: got signal {signum}; stopping at the next step boundary", file=self.log.v1)
 
-    def _stop_if_requested(self, epoch: int, step: int):
-        """Ends the epoch in progress if this or (checked every STOP_CHECK_STEPS steps) any worker
-        got a stop signal. Nothing of the epoch is saved: resume restarts it from the checkpoint
-        before it."""
+    def _stop_if_requested(self, epoch: int, step: int, stats: EpochStats):
+        """Before step ``step``: if this or (checked every STOP_CHECK_STEPS steps) any worker got a
+        stop signal, combines the copies, has the chief write the interrupted epoch's checkpoint
+        and raises :class:`Stopped`. Resume continues the epoch at this step."""
         if self.cluster.num_workers > 1:
-            if (step + 1) % STOP_CHECK_STEPS or not self.workers.any(self.stop_signal is not None):
+            if step % STOP_CHECK_STEPS or not self.workers.any(self.stop_signal is not None):
                 return
         elif self.stop_signal is None:
             return
         signum = self.stop_signal or signal.SIGTERM  # a peer's signal
-        newest = self.start_epoch() - 1
-        raise Stopped(
-            f"stopped by signal {signum} in {self.epoch_name(epoch)} after step {step + 1}; nothing of this epoch "
-            f"is saved; the newest checkpoint is {self.epoch_filename(newest) if newest else 'none'}: run the same "
-            f"command to resume at epoch {newest + 1}", signum)
+        where = f"stopped by signal {signum} in {self.epoch_name(epoch)} before step {step + 1}"
+        previous = self.epoch_filename(epoch - 1) if epoch > 1 else None
+        if not self._built or (step == 0 and previous and os.path.exists(previous + ".index")):
+            raise Stopped(f"{where}; nothing was trained since the newest checkpoint: run the same command to "
+                          "resume", signum)
+        self.check_nonfinite(epoch, stats)  # no replica's copy is non-finite
+        if self.averaging:
+            self.sync(stats=stats)
+        prefix = self.epoch_filename(epoch) + checkpoints.INTERRUPTED_MARK
+        if self.cluster.is_chief:
+            checkpoints.save_interrupted(self.model_filename, prefix, self.model_state(), epoch=epoch, steps_done=step)
+        self.workers.all_workers(0)  # the chief has written it
+        raise Stopped(f"{where}; the combined model is in {prefix}: run the same command to continue "
+                      f"{self.epoch_name(epoch)} at step {step + 1}", signum)
 
     def check_nonfinite(self, epoch: int, stats: EpochStats):
         """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN

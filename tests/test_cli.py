@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy
 import pytest
 
 from conftest import REPO, run_cli
@@ -103,6 +104,49 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     assert resumed == done + [last + 1]  # nothing trained twice, nothing skipped
     assert os.path.exists(tmp_path / "out" / f"model.{last + 1:03d}.index")
     assert not [f for f in os.listdir(tmp_path / "out") if ".tmp-" in f]
+
+
+def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
+    """SIGTERM mid-epoch: a checkpoint of the combined model at the next step boundary, exit 143;
+    running the command again continues that epoch at that step, and ends where an uninterrupted
+    run ends (``mirrored``: no sync at the stop that an uninterrupted run would not make)."""
+    from returnn_tpu import checkpoints
+
+    config = SMALL_CONFIG.replace('train = {"class": "Task12AXDataset", "num_seqs": 40}',
+                                  'train = {"class": "Task12AXDataset", "num_seqs": 600}')
+    config = config.replace('distribute_strategy = "local_sgd"', 'distribute_strategy = "mirrored"')
+    config = config.replace('"num_replicas": 2, "param_sync_step": 2', '"num_replicas": 2').replace(
+        "num_epochs = 3", "num_epochs = 2")
+    for run in ("stopped", "uninterrupted"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "train.config").write_text(config)
+    stopped = tmp_path / "stopped"
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config", "++log_verbosity", "5"],
+                            cwd=stopped, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # RETURNN's progress lines: "train epoch 2, step 9, ..."
+        if line.startswith("train epoch 2, step 9,"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    prefix = str(stopped / "out" / "model.002.interrupted")
+    assert "the combined model is in out/model.002.interrupted" in stderr.splitlines()[-1], stderr[-3000:]
+    assert not os.path.exists(stopped / "out" / "model.002.index")
+    found = checkpoints.interrupted(str(stopped / "out" / "model"), 2)
+    assert found.epoch == 2 and found.steps_done > 0, found
+    assert all(numpy.isfinite(v).all() for v in checkpoints.load(prefix).values())
+    resumed = run_cli(["train.config"], cwd=stopped)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"start training at epoch 2, step {found.steps_done + 1} (interrupted there)" in resumed.stdout
+    assert not [f for f in os.listdir(stopped / "out") if ".interrupted" in f]  # epoch 2's checkpoint replaced it
+    uninterrupted = run_cli(["train.config"], cwd=tmp_path / "uninterrupted")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    ours = checkpoints.load(str(stopped / "out" / "model.002"))
+    theirs = checkpoints.load(str(tmp_path / "uninterrupted" / "out" / "model.002"))
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():
+        numpy.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 BAD_INPUT = [

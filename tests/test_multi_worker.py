@@ -232,8 +232,11 @@ def _gone(pid):
         return True
 
 
-@pytest.mark.parametrize("target", ["launcher", "worker 1"])
+@pytest.mark.parametrize("target", ["launcher", "worker 0", "worker 1"])
 def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
+    """SIGTERM to the launcher, the chief or another worker: all workers stop at one step
+    boundary, the chief writes the combined model of the epoch in progress, all are gone within
+    the grace period, and the same command continues that epoch."""
     import signal
 
     from returnn_tpu.launcher import GRACE_SECONDS
@@ -241,7 +244,8 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     launcher = _launch(tmp_path)
     workers = _workers_of(launcher)
     assert len(workers) == 2
-    os.kill(launcher.pid if target == "launcher" else workers[1], signal.SIGTERM)
+    time.sleep(3)  # into epoch 2 (200 steps)
+    os.kill(launcher.pid if target == "launcher" else workers[int(target[-1])], signal.SIGTERM)
     start = time.time()
     output, _ = launcher.communicate(timeout=60)
     elapsed = time.time() - start
@@ -250,9 +254,14 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     assert all(_gone(pid) for pid in workers)
     assert elapsed < GRACE_SECONDS and "still running" not in output, output[-3000:]  # stopped, not killed
     stopped = [line for line in output.splitlines() if "returnn-tpu: stopped by signal 15" in line]
-    assert len(stopped) == 2 and "run the same command to resume at epoch" in stopped[0], output[-3000:]
-    resumed = run_cli(["train.config", "++num_epochs", "2"], cwd=tmp_path)  # resume works (one worker now)
+    assert len(stopped) == 2, output[-3000:]
+    found = checkpoints.interrupted(str(tmp_path / "out" / "model"), 1)
+    assert found and f"the combined model is in out/model.{found.epoch:03d}.interrupted" in stopped[0], output[-3000:]
+    assert set(checkpoint_params(tmp_path / "out" / "model.001")) < set(checkpoint_params(found.prefix))
+    resumed = run_cli(["train.config", "++num_epochs", str(found.epoch)], cwd=tmp_path)  # one worker now
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"start training at epoch {found.epoch}, step {found.steps_done + 1}" in resumed.stdout
+    assert os.path.exists(tmp_path / "out" / f"model.{found.epoch:03d}.index")
 
 
 def test_a_hung_worker_ends_the_job_within_a_bound(tmp_path):
