@@ -48,10 +48,9 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
         for path in glob.glob(glob.escape(tmp_prefix) + "*"):
             os.remove(path)
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(prefix))).free
-        raise CheckpointWriteError(
-            f"could not write checkpoint {prefix} ({free / 1e6:.1f} MB free there): "
-            f"{_first_line(exc)}"
-        ) from None
+        # TensorFlow's "{{function_node ...}} <temporary file>; No space left on device [Op:SaveV2]"
+        reason = re.sub(r"^\{\{.*?\}\}\s*|\s*\[Op:\w+\]$", "", _first_line(exc)).rsplit("; ", 1)[-1]
+        raise CheckpointWriteError(f"could not write checkpoint {prefix} ({free / 1e6:.1f} MB free there): {reason}") from None
     data_suffix = ".data-00000-of-00001"
     os.replace(tmp_prefix + data_suffix, prefix + data_suffix)
     os.replace(tmp_prefix + ".index", prefix + ".index")

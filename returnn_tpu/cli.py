@@ -83,6 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from returnn_tpu.startup import TASKS, check_config, load_config
 
     cluster = None
+    new_log_paths: List[str] = []
     try:
         filename, overrides = split_args(argv)
         config = load_config(filename, overrides)
@@ -113,9 +114,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                               "one replica); remove it, or run on GPUs")
         if cluster and not cluster.is_chief:
             set_worker_log(config, cluster.worker_index)
-        for path in config.list("log", []):
-            if path not in ("stdout", "|"):
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        new_log_paths = _new_log_paths(config)
+        for path in new_log_paths:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         import returnn.__main__ as rnn
 
         rnn.init_log()
@@ -127,11 +128,34 @@ def main(argv: Optional[List[str]] = None) -> int:
             signal.signal(signum, trainer.request_stop)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
+        _remove_new_paths(new_log_paths)  # bad input found after the log started (e.g. the data's dims)
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
         return _training_failure(exc, cluster)
     return 0
+
+
+def _new_log_paths(config) -> List[str]:
+    """The log files of ``config`` that do not exist yet, and the folders above them that do not
+    exist either (files first, each folder after the ones inside it)."""
+    new = []
+    for path in config.list("log", []):
+        if path in ("stdout", "|"):
+            continue
+        path = os.path.abspath(path)
+        while not os.path.exists(path) and path not in new:
+            new.append(path)
+            path = os.path.dirname(path)
+    return sorted(new, key=lambda p: -p.count(os.sep))
+
+
+def _remove_new_paths(paths: List[str]):
+    for path in paths:
+        try:
+            os.rmdir(path) if os.path.isdir(path) else os.remove(path)
+        except OSError:
+            pass  # already gone, or a folder someone else wrote into
 
 
 def _has_gpus() -> bool:

@@ -89,6 +89,8 @@ class Trainer:
             self.bucket_boundaries = options.bucket_boundaries or default_bucket_boundaries(self.train_datasets[0], key)
         self._read_batching_options()
         self.dev_datasets = init_datasets(config, "dev")
+        for dataset in self.train_datasets[:1] + self.dev_datasets:
+            self._check_data_matches(dataset)
         self.model_filename = config.value("model", None)
         if not self.model_filename:
             raise ConfigError("config option 'model' (where checkpoints go) is missing")
@@ -142,6 +144,21 @@ class Trainer:
         self.info = self.builder.inspect()
         self.extern_data = self.info.extern_data
         self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
+
+    def _check_data_matches(self, dataset):
+        """The dataset's dims, shapes and dtypes are the network's ``extern_data`` (RETURNN's
+        check), before any step: a mismatch is bad input, not a failure in the middle of batching."""
+        try:
+            self.extern_data.check_matched_dataset(dataset, used_data_keys=self.data_keys)
+        except AssertionError as exc:
+            what = str(exc).split(". ")[0]  # "key 'data' dim mismatch"
+            key = next((k for k in self.data_keys if f"key {k!r}" in what), self.extern_data.default_input)
+            data = self.extern_data.data[key]
+            raise ConfigError(
+                f"{dataset.name}: {what}: the network's extern_data[{key!r}] (num_inputs/num_outputs) has dim "
+                f"{data.dim}, shape {data.shape}, dtype {data.dtype}; the dataset has dim {dataset.get_data_dim(key)}, "
+                f"shape {tuple(dataset.get_data_shape(key))}, dtype {dataset.get_data_dtype(key)}"
+            ) from None
 
     def _read_batching_options(self):
         """RETURNN's batching options from the config (again after a network's ``#config`` set them)."""

@@ -6,6 +6,7 @@ test_cli.py plus one line, or the command line changed, or the environment.
 
 import json
 import os
+import socket
 
 import pytest
 
@@ -72,6 +73,7 @@ ROWS = [
     ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                                        "task": {"type": "worker", "index": 1}}),
               "NUM_REPLICAS_LINE": "1"}, "cannot be used with several CPU workers"),
+    ("", [], {"TF_CONFIG": "BUSY_PORT"}, "is in use by another process"),
 ]
 
 
@@ -87,9 +89,16 @@ def test_bad_input(tmp_path, monkeypatch, capsys, line, args, env, message):
     (tmp_path / "train.config").write_text(config + log + line + "\n")
     (tmp_path / FILE).write_text("")
     monkeypatch.chdir(tmp_path)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    status = cli.main(["train.config", *args])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        if env.get("TF_CONFIG") == "BUSY_PORT":  # this worker's port is taken
+            ports = [busy.getsockname()[1], 1]
+            env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                           "task": {"type": "worker", "index": 0}})
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        status = cli.main(["train.config", *args])
     err = capsys.readouterr().err
     errors = [text for text in err.splitlines() if text.startswith("returnn-tpu: error:")]
     assert status == 2, err[-3000:]

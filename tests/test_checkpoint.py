@@ -1,12 +1,13 @@
 """Checkpoints written by returnn-tpu load in plain RETURNN and give the same outputs."""
 
 import os
+import subprocess
 
 import numpy
 import pytest
 import tensorflow as tf
 
-from conftest import make_trainer, random_step_batches
+from conftest import make_trainer, random_step_batches, run_cli
 from returnn_tpu import checkpoints
 
 NETWORK = {
@@ -101,3 +102,28 @@ def test_resume_skips_stale_temporaries_and_an_unreadable_newest_checkpoint(tmp_
     assert (tmp_path / "model.002.index.unreadable").exists()
     for epoch in (2, 3):  # epoch 2 trained again, from model.001
         assert sorted(checkpoints.load(str(tmp_path / f"model.00{epoch}"))) == sorted(trainer.model_state())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a full disk) needs root")
+def test_a_full_disk_is_one_line_naming_the_checkpoint_and_the_free_space(tmp_path):
+    from test_cli import SMALL_CONFIG
+
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
+    try:
+        with open(full / "filler", "wb", buffering=0) as f:  # fill it up
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        (tmp_path / "train.config").write_text(SMALL_CONFIG.replace('model = "out/model"', 'model = "full/model"'))
+        result = run_cli(["train.config", "++num_epochs", "1"], cwd=tmp_path)
+        assert result.returncode == 1, result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+        assert errors == ["returnn-tpu: error: could not write checkpoint full/model.001 (0.0 MB free there): No space "
+                          "left on device"], result.stderr[-3000:]
+        assert os.listdir(full) == ["filler"]  # no half-written temporary left behind
+    finally:
+        subprocess.run(["umount", str(full)], check=True)

@@ -172,6 +172,26 @@ def test_bad_input_is_a_one_line_error(tmp_path, line, option):
     assert os.listdir(tmp_path) == ["train.config"]
 
 
+LATE_BAD_INPUT = [  # found once TensorFlow or the datasets are up: still status 2, one line, nothing left behind
+    ("num_inputs = 7", {}, "train: key 'data' dim mismatch: the network's extern_data['data'] (num_inputs/num_outputs) "
+     "has dim 7"),
+    ('distribute_options = {"cluster_resolver": "mpi"}', {"MPI4PY_LIBMPI": "/nonexistent/libmpi.so"},
+     "mpi4py cannot load an MPI library (cannot load MPI library /nonexistent/libmpi.so"),
+]
+
+
+@pytest.mark.parametrize("line,env,message", LATE_BAD_INPUT, ids=["num_inputs", "no_mpi_library"])
+def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
+    config = SMALL_CONFIG.replace("num_inputs = 9\n", "")
+    (tmp_path / "train.config").write_text(config + "\n" + line + "\nlog = 'out/train.log'\n")
+    result = run_cli(["train.config"], cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [l for l in result.stderr.splitlines() if l.startswith("returnn-tpu: error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == ["train.config"]  # the log it had begun is removed
+
+
 def test_other_tasks_run_plain_returnn_on_our_checkpoint(tmp_path):
     """``++task eval`` is handed to plain RETURNN, which loads the checkpoint returnn-tpu wrote."""
     (tmp_path / "train.config").write_text(SMALL_CONFIG)

@@ -18,6 +18,7 @@ from typing import List, Mapping, Optional
 import tensorflow as tf
 
 from returnn_tpu.cluster.mpi import mpi_cluster_resolver, started_by_mpirun
+from returnn_tpu.cluster.sge import port_is_free
 from returnn_tpu.errors import ConfigError
 
 
@@ -86,6 +87,11 @@ def _tf_config_cluster(environ: Mapping[str, str]) -> Cluster:
                           f"{task_type} tasks), got {task_index!r}")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()
+    own = spec.task_address(resolver.task_type, resolver.task_id)
+    port = own.rsplit(":", 1)[-1]
+    if port.isdigit() and not port_is_free(int(port)):
+        raise ConfigError(f"TF_CONFIG: port {port} of this task ({resolver.task_type} {resolver.task_id}, {own}) is "
+                          "in use by another process; end that process or give this task another port")
     workers = [f"{job}:{i}={address}" for job in spec.jobs for i, address in enumerate(spec.job_tasks(job))]
     num_workers = sum(len(spec.job_tasks(job)) for job in spec.jobs if job in ("chief", "worker"))
     index = resolver.task_id + (1 if resolver.task_type == "worker" and "chief" in spec.jobs else 0)

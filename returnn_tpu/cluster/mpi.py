@@ -31,12 +31,20 @@ def local_rank(environ: Mapping[str, str]) -> int:
 
 
 def import_mpi():
+    """mpi4py's ``MPI``; without mpi4py, or without an MPI library it can load, a
+    :class:`ConfigError` saying what to install."""
     try:
         from mpi4py import MPI
     except ImportError:
         raise ConfigError(
             "cluster_resolver 'mpi'/'sge' needs mpi4py: pip install 'returnn_tpu[mpi]' "
             "(and an MPI library, e.g. Debian's openmpi-bin libopenmpi-dev)"
+        ) from None
+    except RuntimeError as exc:  # mpi4py >= 4 loads the library at import
+        reason = " ".join(str(exc).split())
+        raise ConfigError(
+            f"cluster_resolver 'mpi'/'sge': mpi4py cannot load an MPI library ({reason}); install one, e.g. "
+            "Debian's openmpi-bin libopenmpi-dev, or set MPI4PY_LIBMPI to its libmpi.so"
         ) from None
     return MPI
 
