@@ -9,8 +9,10 @@ Neither imports TensorFlow, so such an error is not preceded by TensorFlow's sta
 
 from __future__ import annotations
 
+import difflib
 import os
-from typing import Optional
+import re
+from typing import Optional, Set
 
 from returnn_tpu.errors import ConfigError
 
@@ -51,6 +53,7 @@ def load_config(config_filename: str, overrides):
     import returnn.__main__ as rnn
 
     _check_overrides(overrides)
+    _check_override_keys(config_filename, overrides[::2])
     try:
         rnn.init_config(config_filename=config_filename, command_line_options=overrides)
     except SyntaxError as exc:
@@ -81,6 +84,44 @@ def _check_overrides(overrides):
     """The command line after the config is ``++key value`` pairs (RETURNN asserts it)."""
     if len(overrides) % 2 or not all(key.startswith("++") and len(key) > 2 for key in overrides[::2]):
         raise ConfigError(f"after the config file, give ++key value pairs, got {' '.join(overrides)!r}")
+
+
+# How RETURNN's code (and ours) reads an option: config.int("num_epochs", ...), config.typed_value("dev"), ...
+_OPTION_READ = re.compile(
+    r"""config\.(?:value|int|float|bool|bool_or_other|typed_value|opt_typed_value|list|dict|float_list|int_list|"""
+    r"""int_pair|has|is_true|is_typed|is_of_type|get_of_type|typed_dict\.get)\(\s*["']([A-Za-z_]\w*)["']"""
+)
+
+
+def known_option_names() -> Set[str]:
+    """Every option name that RETURNN's or returnn-tpu's code reads with a literal name (found in
+    their installed sources; RETURNN keeps no list of its options)."""
+    import returnn
+
+    names = {"distribute_strategy", "distribute_options"}
+    for package in (os.path.dirname(returnn.__file__), os.path.dirname(__file__)):
+        for folder, _, files in os.walk(package):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name), encoding="utf8", errors="replace") as f:
+                        names.update(_OPTION_READ.findall(f.read()))
+    return names
+
+
+def _check_override_keys(config_filename: str, keys):
+    """A ``++key`` must be an option the config names (its own code may read it) or one RETURNN
+    or returnn-tpu reads: anything else is a typo that would be ignored."""
+    with open(config_filename, encoding="utf8", errors="replace") as f:
+        text = f.read()
+    for key in (key[2:] for key in keys):
+        if re.search(rf"\b{re.escape(key)}\b", text):
+            continue
+        known = known_option_names()
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known | set(re.findall(r"^(\w+)\s*=", text, re.M))), n=1)
+        hint = f"; did you mean ++{close[0]}?" if close else ""
+        raise ConfigError(f"++{key}: no such option (the config does not name it and RETURNN does not read it){hint}")
 
 
 def check_config(config):

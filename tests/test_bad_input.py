@@ -42,6 +42,8 @@ ROWS = [
     ("", ["++num_epochs", "abc"], {}, "++num_epochs abc: not a Python value"),
     ("", ["++learning_rate", "1e"], {}, "learning_rate must be a number > 0, got '1e'"),
     ("", ["++num_epochs"], {}, "give ++key value pairs"),
+    ("", ["++num_epoch", "3"], {}, "++num_epoch: no such option (the config does not name it and RETURNN does not "
+                                   "read it); did you mean ++num_epochs?"),
     ("", ["++num_epochs", "'x'"], {}, "num_epochs must be an int >= 1, got 'x'"),
     ('learning_rate = "fast"', [], {}, "learning_rate must be a number"),
     ("learning_rate = -0.1", [], {}, "learning_rate must be a number > 0"),

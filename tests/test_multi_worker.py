@@ -132,6 +132,55 @@ def test_two_workers_local_sgd_via_mpirun(tmp_path):
     assert_trained_and_in_sync(tmp_path, result.stdout)
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
+def test_kill_9_of_an_mpi_rank_ends_the_job_and_it_resumes(tmp_path):
+    """kill -9 of rank 1 mid-epoch under ``mpirun -np 2``: the job ends non-zero within a bound,
+    naming the lost rank; the newest complete checkpoint loads in plain RETURNN (``++task eval``
+    runs it); the same command resumes after it."""
+    import signal
+
+    write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=50,
+                 options={"param_sync_step": 3, "cluster_resolver": "mpi", "startup_timeout": 120})
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
+               "train.config"]
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not os.path.exists(tmp_path / "out" / "model.001.index"):
+        assert job.poll() is None and time.time() < deadline, job.stdout.read()[-3000:]
+        time.sleep(0.2)
+    rank1 = [pid for pid in _descendants(job.pid) if _environ(pid).get("OMPI_COMM_WORLD_RANK") == "1"]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGKILL)
+    killed = time.time()
+    output, _ = job.communicate(timeout=120)
+    print(f"kill -9 of MPI rank 1: mpirun ended after {time.time() - killed:.1f} s")
+    assert job.returncode != 0
+    assert time.time() - killed < 60, output[-3000:]
+    assert re.search(r"rank 1 with PID \d+ on node \S+ exited on signal 9", output), output[-3000:]
+    newest = max(e for e in range(1, 50) if os.path.exists(tmp_path / "out" / f"model.{e:03d}.index"))
+    evaluated = run_cli(["train.config", "++task", "eval", "++load_epoch", str(newest),
+], cwd=tmp_path)  # plain RETURNN
+    assert evaluated.returncode == 0 and "dev: score" in evaluated.stdout, evaluated.stderr[-3000:]
+    resumed = subprocess.run(command + ["++num_epochs", str(newest + 1)], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"start training at epoch {newest + 1}" in resumed.stdout
+    assert os.path.exists(tmp_path / "out" / f"model.{newest + 1:03d}.index")
+
+
+def _descendants(pid):
+    children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    return children + [d for child in children for d in _descendants(child)]
+
+
+def _environ(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {key.decode(): value.decode(errors="replace") for key, value in pairs}
+
+
 def test_multi_worker_mirrored_equals_mirrored(tmp_path):
     options = {"dataset_distribution": "shard", "startup_timeout": 120}
     (tmp_path / "mw").mkdir()
