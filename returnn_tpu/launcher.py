@@ -10,6 +10,13 @@ is streamed with a ``[worker i]`` prefix. The launcher and its workers end toget
   is killed;
 * the workers get SIGKILL from the kernel if the launcher itself dies (``PR_SET_PDEATHSIG``).
 
+TensorFlow's gRPC server listens on all interfaces and has no option to bind one address, and
+it has no authentication. So the launcher first moves itself, and with it its workers, into a
+network namespace of its own that has only a loopback interface (Linux; as root directly,
+otherwise inside a user namespace): no other machine reaches the workers' ports, nor does
+anything in the machine's own namespace. Where the kernel does not allow it, or with
+``RETURNN_TPU_SHARE_NETWORK=1`` (a dataset that reads over the network), a warning says so.
+
 With ``max_restarts`` K, a job that failed (a worker lost, killed or crashed; not bad input,
 exit status 2, and not a stop by a signal) is started again, all workers on new ports, up to K
 times; each start resumes from the newest checkpoint, as torchrun's ``--max-restarts`` does.
@@ -21,10 +28,12 @@ all succeed, 128 + the signal number when the launcher was stopped by a signal.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -33,7 +42,36 @@ from typing import List, Optional
 
 GRACE_SECONDS = 20.0  # from SIGTERM to SIGKILL
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
+
+def isolate_network() -> Optional[str]:
+    """Moves this process into a new network namespace with only the loopback interface, up
+    (its children inherit it). Returns None, or why no namespace could be made (then nothing
+    changed); raises RuntimeError if one was made but could not be set up. Must run before the
+    process starts threads (the kernel refuses a new user namespace then)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        failed = libc.unshare(_CLONE_NEWNET if uid == 0 else _CLONE_NEWUSER | _CLONE_NEWNET)
+    except AttributeError:
+        return "no unshare() on this system"
+    if failed:
+        return f"unshare: {os.strerror(ctypes.get_errno())}"
+    try:
+        if uid != 0:  # stay the same user inside the new user namespace
+            for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack("16sH", b"lo", 0)
+            flags = struct.unpack("16sH", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | _IFF_UP))
+    except OSError as exc:
+        raise RuntimeError(f"could not set up the workers' network namespace ({exc}); "
+                           "set RETURNN_TPU_SHARE_NETWORK=1 to run them in this machine's network") from None
+    return None
 
 def free_local_ports(count: int) -> List[int]:
     """``count`` distinct ports that are free on 127.0.0.1 right now."""
@@ -80,6 +118,14 @@ def _stop(workers: List[subprocess.Popen], signum: Optional[int] = signal.SIGTER
 def run_local_workers(num_workers: int, args: List[str], max_restarts: int = 0) -> int:
     """Runs ``returnn-tpu ARGS`` as ``num_workers`` workers of one cluster, restarted up to
     ``max_restarts`` times after a failure; returns the exit status."""
+    try:
+        why_not = "RETURNN_TPU_SHARE_NETWORK=1" if os.environ.get("RETURNN_TPU_SHARE_NETWORK") == "1" else isolate_network()
+    except RuntimeError as exc:
+        print(f"returnn-tpu: error: {exc}", file=sys.stderr)
+        return 1
+    if why_not:
+        print(f"returnn-tpu: warning: the workers share this machine's network ({why_not}): their gRPC servers "
+              "listen on all its interfaces", file=sys.stderr, flush=True)
     for attempt in range(max_restarts + 1):
         status = _run_once(num_workers, args)
         if status in (0, 2) or status > 128 or attempt == max_restarts:

@@ -274,6 +274,32 @@ def _workers_of(launcher):
     return [int(pid) for pid in open(children).read().split()]
 
 
+def _listening_ports(net_dir):
+    """The TCP ports with a socket in LISTEN state in ``/proc/.../net/tcp`` and ``tcp6``, by address."""
+    found = []
+    for name in ("tcp", "tcp6"):
+        with open(os.path.join(net_dir, name)) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A":  # LISTEN
+                    address, port = local.rsplit(":", 1)
+                    found.append((address, int(port, 16)))
+    return found
+
+
+def _assert_reachable_only_inside(workers):
+    """The workers' gRPC ports listen in a network namespace whose only interface is loopback,
+    and no socket in this machine's namespace listens on them (TensorFlow binds the wildcard)."""
+    ports = [int(address.rsplit(":", 1)[1]) for address in json.loads(_environ(workers[0])["TF_CONFIG"])["cluster"]["worker"]]
+    for pid in workers:
+        interfaces = [line.split(":")[0].strip() for line in open(f"/proc/{pid}/net/dev").readlines()[2:]]
+        assert interfaces == ["lo"], interfaces
+        inside = {port for _, port in _listening_ports(f"/proc/{pid}/net")}
+        assert set(ports) <= inside  # the servers are up, in the workers' namespace
+    outside = [(address, port) for address, port in _listening_ports("/proc/net") if port in ports]
+    assert not outside, outside
+
+
 def _gone(pid):
     try:
         return open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # a zombie waits only for its parent
@@ -293,6 +319,7 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     launcher = _launch(tmp_path)
     workers = _workers_of(launcher)
     assert len(workers) == 2
+    _assert_reachable_only_inside(workers)
     time.sleep(3)  # into epoch 2 (200 steps)
     os.kill(launcher.pid if target == "launcher" else workers[int(target[-1])], signal.SIGTERM)
     start = time.time()
