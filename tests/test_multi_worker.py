@@ -248,6 +248,7 @@ def test_worker_dying_during_training_is_named(tmp_path):
     procs[1].kill()
     killed = time.time()
     _, stderr = procs[0].communicate(timeout=120)
+    print(f"kill -9 of worker 1: worker 0 exited after {time.time() - killed:.1f} s")
     assert procs[0].returncode == 1
     assert time.time() - killed < 90  # far below a hang, bounded by collective_timeout
     errors = [line for line in stderr.splitlines() if line.startswith("returnn-tpu: error:")]
