@@ -123,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rnn.returnn_greeting(config_filename=filename, command_line_options=overrides)
         for message in ignored:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
-        trainer = Trainer(config, options, cluster)
+        trainer = Trainer(config, options, cluster, config_source=(filename, overrides))
         for signum in (signal.SIGTERM, signal.SIGINT):  # replaces TensorFlow's multi-worker handler
             signal.signal(signum, trainer.request_stop)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
@@ -170,12 +170,13 @@ def _training_failure(exc: Exception, cluster) -> int:
     import tensorflow as tf
 
     from returnn_tpu import checkpoints
+    from returnn_tpu.producer import ProducerError
     from returnn_tpu.trainer import NonFiniteScore, Stopped
 
     if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError)):
+    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError, ProducerError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
     if not isinstance(exc, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)) \

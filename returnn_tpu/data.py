@@ -81,6 +81,15 @@ class BatchingOptions:
         """RETURNN's batches keep their own shapes."""
         return raw
 
+    def take_counters(self) -> Dict[str, int]:
+        """What padding counted since the last call, reset (none here; see BucketBatching)."""
+        return {}
+
+    def add_counters(self, counters: Dict[str, int]):
+        """Adds what another copy of these options counted (the dataset producer's)."""
+        for name, value in counters.items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 class BucketBatching(BatchingOptions):
     """Static shapes for XLA: sequences grouped by length into buckets, batches padded to them.
@@ -142,6 +151,11 @@ class BucketBatching(BatchingOptions):
                 pad_width[1] = (0, bucket - value.shape[1])  # the time axis
             out[key] = numpy.pad(value, pad_width)
         return out
+
+    def take_counters(self) -> Dict[str, int]:
+        counters = {"dropped": self.dropped, "padded_frames": self.padded_frames, "total_frames": self.total_frames}
+        self.dropped = self.padded_frames = self.total_frames = 0
+        return counters
 
     def take_padding_fraction(self) -> float:
         """Padded frames / all frames since the last call (logged per epoch)."""

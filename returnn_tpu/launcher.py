@@ -91,8 +91,9 @@ def _stream(prefix: str, pipe, out):
         out.flush()
 
 
-def _die_with_parent():
-    """In the child before exec: SIGKILL when the launcher dies (Linux; elsewhere a no-op)."""
+def die_with_parent():
+    """In a child process (before exec, or at its start): SIGKILL when its parent dies (Linux;
+    elsewhere a no-op)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
@@ -152,7 +153,7 @@ def _run_once(num_workers: int, args: List[str]) -> int:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             thread = threading.Thread(target=_stream, args=(f"[worker {index}] ", proc.stdout, sys.stdout), daemon=True)
             thread.start()

@@ -17,6 +17,7 @@ STRATEGY_NAMES = ("single", "mirrored", "local_sgd", "multi_worker_mirrored", "t
 TPU_STRATEGY_NAMES = ("tpu", "local_sgd_tpu")
 CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "tpu", "local")
 DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")
+DATA_PRODUCERS = ("process", "thread")
 DEFAULT_PARAM_SYNC_STEP = 100
 LOCAL_SGD_STRATEGY_NAMES = ("local_sgd", "local_sgd_tpu")
 OUTER_OPTIMIZER_CLASSES = ("nesterov", "slowmo")
@@ -77,6 +78,10 @@ class DistributeOptions:
         bytes, one synced every ``param_sync_step / sync_fragments`` steps.
     :ivar skip_nonfinite_steps: an update whose loss or gradient is NaN or Inf in a replica is
         skipped and counted; without it, such an update stops the run.
+    :ivar data_producer: where the training data is read, batched and padded: ``"process"``, a
+        producer process per worker (:mod:`returnn_tpu.producer`), or ``"thread"``, a thread of
+        the training process.
+    :ivar data_prefetch: how many steps' batches are read ahead of training.
     """
 
     strategy: str = "single"
@@ -96,6 +101,8 @@ class DistributeOptions:
     local_param_sync_step: Optional[int] = None
     sync_fragments: int = 1
     skip_nonfinite_steps: bool = False
+    data_producer: str = "process"
+    data_prefetch: int = 4
 
     def in_force(self) -> dict:
         """Every option with the value it has in this run (for ``metrics.jsonl``)."""
@@ -146,6 +153,10 @@ class DistributeOptions:
                     f"distribute_options['bucket_boundaries'] must be a list of ints >= 1, got {boundaries!r}"
                 )
             kwargs["bucket_boundaries"] = tuple(sorted(boundaries))
+        if "data_producer" in options:
+            kwargs["data_producer"] = _one_of("data_producer", options["data_producer"], DATA_PRODUCERS)
+        if "data_prefetch" in options:
+            kwargs["data_prefetch"] = _positive_int("data_prefetch", options["data_prefetch"])
         if "skip_nonfinite_steps" in options:
             if not isinstance(options["skip_nonfinite_steps"], bool):
                 raise ConfigError("distribute_options['skip_nonfinite_steps'] must be True or False, got "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy
 import tensorflow as tf
@@ -23,6 +23,7 @@ from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, defa
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, optimizer_from_config
+from returnn_tpu.producer import DataProducer
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
@@ -53,9 +54,15 @@ class Stopped(RuntimeError):
 
 
 class Trainer:
-    """Trains the network of a RETURNN config with the configured distribution strategy."""
+    """Trains the network of a RETURNN config with the configured distribution strategy.
 
-    def __init__(self, config, options: DistributeOptions, cluster: Optional[Cluster] = None):
+    ``config_source`` is the config file and its ``++`` overrides, from which the dataset
+    producer process (``data_producer = "process"``) loads the same config; a trainer made
+    without it (from a ``Config`` object) reads its data on a thread.
+    """
+
+    def __init__(self, config, options: DistributeOptions, cluster: Optional[Cluster] = None,
+                 config_source: Optional[Tuple[str, List[str]]] = None):
         from returnn.log import log
 
         check_supported(config)
@@ -77,6 +84,11 @@ class Trainer:
                 f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
                 "inside the compiled step); use 'local_sgd' or 'mirrored'"
             )
+        self.producer = None
+        if options.data_producer == "process" and config_source:  # starts while the rest is set up
+            self.producer = DataProducer(*config_source, dataset_key="train", num_replicas=self.steps.local_replicas,
+                                         first_replica=self.steps.first_replica,
+                                         distribution=options.dataset_distribution, prefetch=options.data_prefetch)
         self.train_datasets = init_datasets(
             config, "train", self.steps.local_replicas, self.steps.first_replica, options.dataset_distribution
         )
@@ -287,10 +299,8 @@ class Trainer:
         # shard, and always for evaluation: one order, dealt to the replicas of all workers in turn.
         own_copies = train and self.options.dataset_distribution == "random_seed_offset"
         ours = range(self.steps.first_replica, self.steps.first_replica + self.steps.local_replicas)
-        batches = EpochBatches(
-            datasets,
+        what = dict(
             epoch=epoch,
-            extern_data=self.extern_data,
             data_keys=self.data_keys,
             batching=self.batching if train else self.eval_batching,
             recurrent=self.info.recurrent,
@@ -299,6 +309,10 @@ class Trainer:
             num_slots=None if own_copies else self.steps.num_replicas,
             pad_last=not train,
         )
+        if train and self.producer:
+            batches = self.producer.epoch(**what)
+        else:
+            batches = EpochBatches(datasets, extern_data=self.extern_data, prefetch=self.options.data_prefetch, **what)
         batches.limit_steps(min(self.workers.all_workers(batches.num_steps)))
         return batches
 
@@ -338,9 +352,13 @@ class Trainer:
         )
         self._resume_epoch = start_epoch - 1
         self._resume_prefix = interrupted.prefix if interrupted else self._newest_checkpoint()
-        for epoch in range(start_epoch, self.num_epochs + 1):
-            self.train_epoch(epoch, first_step)
-            first_step = 0
+        try:
+            for epoch in range(start_epoch, self.num_epochs + 1):
+                self.train_epoch(epoch, first_step)
+                first_step = 0
+        finally:
+            if self.producer:
+                self.producer.close()
 
     def initialize_model(self):
         """RETURNN's ``task = "initialize_model"``: the initial parameters of epoch 1's network,

@@ -321,7 +321,9 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     workers = _workers_of(launcher)
     assert len(workers) == 2
     _assert_reachable_only_inside(workers)
-    time.sleep(3)  # into epoch 2 (200 steps)
+    while not os.path.exists(tmp_path / "out" / "metrics.jsonl"):  # epoch 1 and its dev scores are done
+        time.sleep(0.1)
+    time.sleep(2)  # into epoch 2 (about 200 steps)
     os.kill(launcher.pid if target == "launcher" else workers[int(target[-1])], signal.SIGTERM)
     start = time.time()
     output, _ = launcher.communicate(timeout=60)

@@ -1,0 +1,245 @@
+"""The dataset producer: RETURNN dataset iteration, batching and padding in a process of its own.
+
+With ``distribute_options["data_producer"] = "process"`` (the default), each worker starts one
+producer process. It loads the same config (the same file and ``++`` overrides), creates the
+same training datasets and runs the same :class:`returnn_tpu.data.EpochBatches` as training in
+the process would, so its batches are those batches, bit for bit. Training then spends its
+time in steps, not in Python reading and padding data, which shares a core with the step's
+dispatch.
+
+Per epoch the trainer sends what the batches depend on (the network's data keys, whether it is
+recurrent, RETURNN's batching options, the replicas' slots); the producer answers with the
+number of steps (so workers agree on it before the first step), then writes each step's arrays
+into a new POSIX shared memory block, at most ``data_prefetch`` steps ahead. Only the block's
+name and the arrays' layout travel through the queue; the trainer copies the arrays out (one
+``memcpy``) and frees the block.
+
+A producer that raises ends training with its error (the last line of its traceback); one
+that dies (killed, out of memory) is found within :data:`LIVENESS_SECONDS`. An epoch never ends
+short: the trainer expects exactly the number of steps it was told.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import traceback
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy
+
+LIVENESS_SECONDS = 1.0  # how often a waiting trainer checks that its producer still runs
+START_SECONDS = 600.0  # bound on the producer's start (loading RETURNN, TensorFlow, the datasets)
+
+
+class ProducerError(RuntimeError):
+    """The dataset producer failed or died."""
+
+
+class DataProducer:
+    """One producer process for the training dataset of ``config_filename`` (with
+    ``overrides``); created once per worker, ended by :meth:`close` or with the trainer's process."""
+
+    def __init__(self, config_filename: str, overrides: Sequence[str], *, dataset_key: str, num_replicas: int,
+                 first_replica: int, distribution: str, prefetch: int):
+        context = multiprocessing.get_context("spawn")  # no fork of a process that runs TensorFlow
+        self._commands, commands_end = context.Pipe()
+        self._results = context.Queue(maxsize=prefetch)
+        setup = dict(config_filename=config_filename, overrides=list(overrides), dataset_key=dataset_key,
+                     num_replicas=num_replicas, first_replica=first_replica, distribution=distribution)
+        self._process = context.Process(target=_serve, args=(setup, commands_end, self._results),
+                                        name="returnn_tpu data producer", daemon=True)
+        self._process.start()
+        self._started = False
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def epoch(self, *, epoch: int, batching, data_keys: Sequence[str], recurrent: bool, train: bool,
+              slots: Optional[range], num_slots: Optional[int], pad_last: bool) -> "ProducedEpoch":
+        """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`);
+        returns once the producer has made the batch lists and knows the number of steps."""
+        self._commands.send(("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys),
+                                           recurrent=recurrent, train=train, slots=slots, num_slots=num_slots,
+                                           pad_last=pad_last)))
+        kind, num_steps = self._receive(START_SECONDS if not self._started else None, what="the epoch's batch lists")
+        self._started = True
+        assert kind == "steps", kind
+        return ProducedEpoch(self, num_steps, batching)
+
+    def _receive(self, timeout: Optional[float] = None, what: str = "a batch"):
+        """The next message from the producer; :class:`ProducerError` if it failed, died, or
+        (with ``timeout``) took longer."""
+        waited = 0.0
+        while True:
+            try:
+                message = self._results.get(timeout=LIVENESS_SECONDS)
+            except queue.Empty:
+                waited += LIVENESS_SECONDS
+                if not self._process.is_alive():
+                    raise ProducerError(f"data producer (pid {self.pid}) died (exit status "
+                                        f"{self._process.exitcode}) while training waited for {what}") from None
+                if timeout is not None and waited >= timeout:
+                    raise ProducerError(f"data producer (pid {self.pid}) did not deliver {what} within "
+                                        f"{timeout:.0f} s") from None
+                continue
+            if message[0] == "error":
+                raise ProducerError(f"data producer (pid {self.pid}) failed: {message[1]}")
+            return message
+
+    def close(self):
+        """Ends the producer process (it also ends with the trainer's process)."""
+        if self._process.is_alive():
+            try:
+                self._commands.send(("exit", None))
+            except OSError:
+                pass
+            self._process.join(timeout=5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
+class ProducedEpoch:
+    """An epoch's batches from the producer, with the interface of
+    :class:`returnn_tpu.data.EpochBatches` (``num_steps``, ``limit_steps``, ``start_at``, iteration)."""
+
+    def __init__(self, producer: DataProducer, num_steps: int, batching):
+        self.producer = producer
+        self.num_steps = num_steps
+        self.first_step = 0
+        self.batching = batching
+
+    def limit_steps(self, num_steps: int):
+        self.num_steps = min(self.num_steps, num_steps)
+
+    def start_at(self, step: int):
+        self.first_step = step
+
+    def __iter__(self) -> Iterator[Tuple[List[dict], List[float]]]:
+        producer = self.producer
+        producer._commands.send(("go", (self.first_step, self.num_steps)))
+        finished = False
+        try:
+            for step in range(self.first_step, self.num_steps):
+                message = producer._receive(what=f"step {step + 1} of {self.num_steps}")
+                assert message[0] == "step", message[0]
+                yield _take_block(*message[1:3]), message[3]
+            kind, counters = producer._receive(what="the end of the epoch")
+            assert kind == "end", kind
+            self.batching.add_counters(counters)
+            finished = True
+        finally:
+            if not finished and producer._process.is_alive():  # stopped early: drain and free the blocks
+                producer._commands.send(("stop", None))
+                while True:
+                    message = producer._receive(what="the end of the epoch")
+                    if message[0] == "step":
+                        _take_block(*message[1:3])
+                    else:
+                        break
+
+
+def _take_block(name: str, layout) -> List[dict]:
+    """The batches of one step, copied out of shared memory block ``name``, which is freed."""
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(name=name)
+    try:
+        batches = []
+        for arrays in layout:
+            batch = {}
+            for key, (dtype, shape, offset, value) in arrays.items():
+                if value is not None:  # not an array: sent as is
+                    batch[key] = value
+                else:
+                    view = numpy.ndarray(shape, dtype=numpy.dtype(dtype), buffer=block.buf, offset=offset)
+                    batch[key] = view.copy()
+                    del view
+            batches.append(batch)
+        return batches
+    finally:
+        block.close()
+        block.unlink()
+
+
+def _put_block(batches: List[dict]):
+    """``(name, layout)`` of a new shared memory block holding the arrays of ``batches``."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    layout, arrays, size = [], [], 0
+    for batch in batches:
+        entry = {}
+        for key, value in batch.items():
+            if isinstance(value, numpy.ndarray) and value.dtype != object:
+                value = numpy.ascontiguousarray(value)
+                entry[key] = (value.dtype.str, value.shape, size, None)
+                arrays.append((size, value))
+                size += -(-value.nbytes // 64) * 64  # aligned
+            else:
+                entry[key] = (None, None, None, value)
+        layout.append(entry)
+    block = shared_memory.SharedMemory(create=True, size=max(size, 1))
+    # The trainer frees the block; this process's resource tracker must not free it again.
+    resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 (CPython's own name for it)
+    for offset, value in arrays:
+        numpy.ndarray(value.shape, dtype=value.dtype, buffer=block.buf, offset=offset)[...] = value
+    name = block.name
+    block.close()
+    return name, layout
+
+
+def _serve(setup: dict, commands, results):
+    """The producer process: answers the trainer's commands until ``exit`` (or its death)."""
+    from returnn_tpu.launcher import die_with_parent
+
+    die_with_parent()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer decides when to stop
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        datasets, extern_data = _open_datasets(setup)
+        while True:
+            kind, payload = commands.recv()
+            if kind == "exit":
+                return
+            if kind == "epoch":
+                _produce_epoch(datasets, extern_data, payload, commands, results)
+    except (EOFError, KeyboardInterrupt):
+        return  # the trainer is gone
+    except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
+        lines = traceback.format_exception_only(type(exc), exc)
+        results.put(("error", lines[-1].strip() if lines else type(exc).__name__))
+
+
+def _open_datasets(setup: dict):
+    """The config loaded as the trainer loaded it, and its datasets for the producer's replicas."""
+    from returnn_tpu.data import init_datasets
+    from returnn_tpu.returnn_bridge import extern_data_template, setup_returnn
+    from returnn_tpu.startup import load_config, select_backend
+
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the producer computes nothing on a device
+    config = load_config(setup["config_filename"], setup["overrides"])
+    select_backend(config)
+    setup_returnn()
+    datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
+                             setup["distribution"])
+    return datasets, extern_data_template(config)
+
+
+def _produce_epoch(datasets, extern_data, request: dict, commands, results):
+    from returnn_tpu.data import EpochBatches
+
+    batches = EpochBatches(datasets, extern_data=extern_data, prefetch=1, **request)
+    results.put(("steps", batches.num_steps))
+    kind, (first_step, num_steps) = commands.recv()
+    assert kind == "go", kind
+    batches.start_at(first_step)
+    batches.limit_steps(num_steps)
+    for step_batches, weights in batches:
+        if commands.poll() and commands.recv()[0] == "stop":
+            break
+        results.put(("step", *_put_block(step_batches), weights))
+    results.put(("end", batches.batching.take_counters()))

@@ -1,0 +1,115 @@
+"""The dataset producer process: the same batches as reading in the training process, bit for
+bit; every sequence once per epoch across replicas (shard); its failure and death end training."""
+
+import os
+import signal
+import time
+
+import numpy
+import pytest
+
+from conftest import run_cli
+from test_cli import SMALL_CONFIG
+
+PRODUCER_CONFIG = SMALL_CONFIG.replace('"num_seqs": 40}', '"num_seqs": 37}').replace(
+    'distribute_options = {"num_replicas": 2, "param_sync_step": 2}', 'distribute_options = {}')
+
+
+def _setup(tmp_path, text=PRODUCER_CONFIG):
+    from returnn.config import Config
+
+    from returnn_tpu.returnn_bridge import extern_data_template
+
+    path = tmp_path / "train.config"
+    path.write_text(text)
+    config = Config()
+    config.load_file(str(path))
+    return str(path), config, extern_data_template(config)
+
+
+def _in_process(config, extern_data, distribution, request):
+    from returnn_tpu.data import EpochBatches, init_datasets
+
+    datasets = init_datasets(config, "train", 2, 0, distribution)
+    return list(EpochBatches(datasets, extern_data=extern_data, **request))
+
+
+@pytest.mark.parametrize("distribution,buckets", [("shard", None), ("random_seed_offset", None), ("shard", [50, 100, 300])],
+                         ids=["shard", "random_seed_offset", "shard_buckets"])
+def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distribution, buckets):
+    from returnn_tpu.data import BatchingOptions, BucketBatching
+    from returnn_tpu.producer import DataProducer
+
+    blocks_before = _shared_memory_blocks()
+    path, config, extern_data = _setup(tmp_path)
+    batching = BucketBatching(config, buckets, "data") if buckets else BatchingOptions(config)
+    shard = distribution == "shard"
+    producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution=distribution,
+                            prefetch=2)
+    try:
+        for epoch in (1, 2):
+            request = dict(epoch=epoch, batching=batching, data_keys=["classes", "data"], recurrent=True, train=True,
+                           slots=range(2) if shard else None, num_slots=2 if shard else None, pad_last=False)
+            expected = _in_process(config, extern_data, distribution, request)
+            expected_counters = batching.take_counters()
+            produced_epoch = producer.epoch(**request)
+            assert produced_epoch.num_steps == len(expected) > 3
+            produced = list(produced_epoch)
+            assert len(produced) == len(expected)
+            for (ours, our_weights), (theirs, their_weights) in zip(produced, expected):
+                assert our_weights == their_weights and len(ours) == len(theirs) == 2
+                for our_batch, their_batch in zip(ours, theirs):
+                    assert sorted(our_batch) == sorted(their_batch)
+                    for key, value in their_batch.items():
+                        assert our_batch[key].dtype == value.dtype and our_batch[key].shape == value.shape, key
+                        assert our_batch[key].tobytes() == value.tobytes(), key
+            assert batching.take_counters() == expected_counters  # the producer's padding counts come back
+    finally:
+        producer.close()
+    assert _shared_memory_blocks() <= blocks_before  # every block freed
+
+
+def _shared_memory_blocks():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+
+
+def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path):
+    from returnn_tpu.data import BatchingOptions
+    from returnn_tpu.producer import LIVENESS_SECONDS, DataProducer, ProducerError
+
+    path, config, _ = _setup(tmp_path, PRODUCER_CONFIG.replace('"num_seqs": 37}', '"num_seqs": 400}'))
+    producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
+                            prefetch=2)
+    epoch = producer.epoch(epoch=1, batching=BatchingOptions(config), data_keys=["classes", "data"], recurrent=True,
+                           train=True, slots=range(2), num_slots=2, pad_last=False)
+    steps = iter(epoch)
+    next(steps)
+    os.kill(producer.pid, signal.SIGKILL)
+    start = time.time()
+    with pytest.raises(ProducerError, match=rf"data producer \(pid {producer.pid}\) died \(exit status -9\)"):
+        for _ in steps:  # what the queue still held, then the error
+            pass
+    assert time.time() - start < 3 * LIVENESS_SECONDS + 2
+    producer.close()
+
+
+def test_a_failing_producer_stops_training_with_its_error(tmp_path):
+    """A dataset that raises in the producer (a config function of PostprocessingDataset):
+    training stops with that error, exit status 1, and the epoch is not saved."""
+    config = PRODUCER_CONFIG.replace(
+        'train = {"class": "Task12AXDataset", "num_seqs": 37}',
+        '_calls = []\n'
+        'def _map_seq(data, **_):\n'
+        '    _calls.append(1)\n'
+        '    if len(_calls) == 25:\n'
+        '        raise ValueError("corrupt feature file for sequence 25")\n'
+        '    return data\n'
+        'train = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 37},'
+        ' "map_seq": _map_seq}')
+    (tmp_path / "train.config").write_text(config)
+    result = run_cli(["train.config"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert len(errors) == 1 and "failed: ValueError: corrupt feature file for sequence 25" in errors[0], \
+        result.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "model.001.index")
