@@ -41,6 +41,7 @@ from returnn_tpu.returnn_bridge import size_key
 
 Batch = Dict[str, numpy.ndarray]
 SEED_OFFSET_PER_REPLICA = 16127  # RETURNN's factor per Horovod rank
+COUNTERS = ("dropped", "padded_frames", "total_frames")  # what BucketBatching counts while batching
 
 
 class BatchingOptions:
@@ -153,8 +154,9 @@ class BucketBatching(BatchingOptions):
         return out
 
     def take_counters(self) -> Dict[str, int]:
-        counters = {"dropped": self.dropped, "padded_frames": self.padded_frames, "total_frames": self.total_frames}
-        self.dropped = self.padded_frames = self.total_frames = 0
+        counters = {name: getattr(self, name) for name in COUNTERS}
+        for name in COUNTERS:
+            setattr(self, name, 0)
         return counters
 
     def take_padding_fraction(self) -> float:

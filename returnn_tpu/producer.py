@@ -21,10 +21,13 @@ short: the trainer expects exactly the number of steps it was told.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
+import threading
 import traceback
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -200,13 +203,13 @@ def _serve(setup: dict, commands, results):
     for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer decides when to stop
         signal.signal(signum, signal.SIG_IGN)
     try:
-        datasets, extern_data = _open_datasets(setup)
+        epochs = _EpochMaker(setup)
         while True:
             kind, payload = commands.recv()
             if kind == "exit":
                 return
             if kind == "epoch":
-                _produce_epoch(datasets, extern_data, payload, commands, results)
+                _produce_epoch(epochs, payload, commands, results)
     except (EOFError, KeyboardInterrupt):
         return  # the trainer is gone
     except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
@@ -214,30 +217,85 @@ def _serve(setup: dict, commands, results):
         results.put(("error", lines[-1].strip() if lines else type(exc).__name__))
 
 
-def _open_datasets(setup: dict):
-    """The config loaded as the trainer loaded it, and its datasets for the producer's replicas."""
-    from returnn_tpu.data import init_datasets
-    from returnn_tpu.returnn_bridge import extern_data_template, setup_returnn
-    from returnn_tpu.startup import load_config, select_backend
+class _EpochMaker:
+    """The producer's :class:`returnn_tpu.data.EpochBatches`, the next epoch's made ahead.
 
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the producer computes nothing on a device
-    config = load_config(setup["config_filename"], setup["overrides"])
-    select_backend(config)
-    setup_returnn()
-    datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
-                             setup["distribution"])
-    return datasets, extern_data_template(config)
+    Making an epoch's batch lists is most of the work for many RETURNN datasets (generated
+    ones, and those based on ``CachedDataset2``, know a sequence's length only once they have
+    made it). So while epoch E is produced, a thread makes epoch E + 1's lists, on a second copy
+    of the datasets (epoch E's copy is in use), with the request of epoch E but for E + 1; if
+    the trainer then asks for something else (a new network, other batching options), it is
+    made anew.
+    """
+
+    def __init__(self, setup: dict):
+        from returnn_tpu.data import init_datasets
+        from returnn_tpu.returnn_bridge import extern_data_template, setup_returnn
+        from returnn_tpu.startup import load_config, select_backend
+
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the producer computes nothing on a device
+        config = load_config(setup["config_filename"], setup["overrides"])
+        select_backend(config)
+        setup_returnn()
+        self.copies = [init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
+                                     setup["distribution"]) for _ in range(2)]
+        self.extern_data = extern_data_template(config)
+        self.ahead: Optional[Tuple[dict, threading.Thread, list]] = None  # (request, thread, [batches or error])
+
+    def _make(self, request: dict):
+        from returnn_tpu.data import EpochBatches
+
+        datasets = self.copies[request["epoch"] % 2]
+        return EpochBatches(datasets, extern_data=self.extern_data, prefetch=1, **request)
+
+    def take(self, request: dict):
+        """The EpochBatches of ``request``: the one made ahead if it is that one."""
+        if self.ahead:
+            made_for, thread, result = self.ahead
+            self.ahead = None
+            thread.join()
+            if _same_request(made_for, request):
+                if isinstance(result[0], BaseException):
+                    raise result[0]
+                return result[0]
+        return self._make(request)
+
+    def make_next(self, request: dict):
+        """Starts making the epoch after ``request``'s, on a thread."""
+        following = dict(request, epoch=request["epoch"] + 1, batching=copy.deepcopy(request["batching"]))
+        following["batching"].take_counters()
+        result: list = [None]
+
+        def make():
+            try:
+                result[0] = self._make(following)
+            except BaseException as exc:  # noqa: BLE001 (raised when that epoch is asked for)
+                result[0] = exc
+
+        thread = threading.Thread(target=make, name="returnn_tpu next epoch", daemon=True)
+        thread.start()
+        self.ahead = (following, thread, result)
 
 
-def _produce_epoch(datasets, extern_data, request: dict, commands, results):
-    from returnn_tpu.data import EpochBatches
+def _same_request(made_for: dict, request: dict) -> bool:
+    """Whether batches made for ``made_for`` are those of ``request`` (counters aside)."""
+    from returnn_tpu.data import COUNTERS
 
-    batches = EpochBatches(datasets, extern_data=extern_data, prefetch=1, **request)
+    def plain(entry):
+        batching = {k: v for k, v in vars(entry["batching"]).items() if k not in COUNTERS}
+        return pickle.dumps({**entry, "batching": (type(entry["batching"]), sorted(batching.items()))})
+
+    return plain(made_for) == plain(request)
+
+
+def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results):
+    batches = epochs.take(request)
     results.put(("steps", batches.num_steps))
     kind, (first_step, num_steps) = commands.recv()
     assert kind == "go", kind
     batches.start_at(first_step)
     batches.limit_steps(num_steps)
+    epochs.make_next(request)
     for step_batches, weights in batches:
         if commands.poll() and commands.recv()[0] == "stop":
             break

@@ -405,7 +405,7 @@ class Trainer:
         start = time.perf_counter()
         batches = self.epoch_batches(self.train_datasets, epoch, train=True)
         batches.start_at(first_step)
-        waited_since = time.perf_counter()
+        waited_since = start  # making the epoch's batch lists is waiting for data too
         for step, (step_batches, _) in enumerate(batches, start=first_step):
             self._stop_if_requested(epoch, step, stats)
             step_start = time.perf_counter()
