@@ -98,9 +98,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from returnn_tpu.optimizers import optimizer_from_config
         from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
         from returnn_tpu.session_options import apply_session_options
-        from returnn_tpu.startup import check_classes, select_backend
+        from returnn_tpu.startup import check_classes, select_backend, use_persistent_xla_cache
         from returnn_tpu.trainer import Trainer
 
+        if options.jit_compile:
+            use_persistent_xla_cache(config)
         select_backend(config)
         setup_returnn()
         optimizer_from_config(config)

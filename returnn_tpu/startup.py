@@ -72,6 +72,20 @@ def load_config(config_filename: str, overrides):
     return config
 
 
+XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
+
+
+def use_persistent_xla_cache(config):
+    """TensorFlow's own persistent XLA compilation cache, in ``xla_cache`` beside the checkpoints:
+    a later epoch, a resumed run and the next run of the config load compiled programs instead
+    of compiling them again. Set in ``TF_XLA_FLAGS`` before TensorFlow reads them (at its first
+    XLA compilation); a cache directory the user set there is kept."""
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    if XLA_CACHE_FLAG not in flags:
+        folder = os.path.join(os.path.dirname(os.path.abspath(config.value("model", ""))), "xla_cache")
+        os.environ["TF_XLA_FLAGS"] = f"{flags} {XLA_CACHE_FLAG}={folder}".strip()
+
+
 def select_backend(config):
     """RETURNN's backend choice for the config (the TF net-dict backend where it names none).
     Imports TensorFlow (RETURNN registers its TF frontend here)."""

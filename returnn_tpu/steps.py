@@ -22,6 +22,8 @@ own and applies), then noise and clipping (:class:`returnn_tpu.optimizers.Gradie
 
 from __future__ import annotations
 
+import time
+
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -72,6 +74,10 @@ class ReplicaSteps:
         self.in_step = syncs_in_step(strategy)
         self.trainable_names: Optional[List[str]] = None  # known after the first trace
         self.compiled_shapes = set()  # input shapes the XLA replica step was compiled for
+        self.jit_compile = jit_compile
+        self._run_shapes = set()  # batch shapes train() has run (with XLA, each new one compiles)
+        self.compilations = 0  # since the last take_compilations()
+        self.compile_seconds = 0.0  # those calls' time: trace, compilation (or cache load), one step
         self.nonfinite: Dict[str, tf.Variable] = {}  # see take_nonfinite()
         self.gradient_bytes = 0  # this worker's gradients in one update's all-reduce (synchronous strategies)
         # With XLA: one trace (and compilation) per bucket shape; else one trace for all shapes.
@@ -139,7 +145,22 @@ class ReplicaSteps:
         what ``due`` names (the host-driven path syncs with :meth:`sync` afterwards)."""
         if due is not None and due.local and self.in_step:
             raise ValueError("worker-local syncs need merge_call, which the in-step path does not have")
-        return self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
+        shape = tuple(sorted((key, value.shape) for key, value in step_batches[0].items())) if self.jit_compile else None
+        if shape is None or shape in self._run_shapes:
+            return self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
+        start = time.perf_counter()
+        metrics = self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
+        self._run_shapes.add(shape)
+        self.compilations += 1
+        self.compile_seconds += time.perf_counter() - start
+        return metrics
+
+    def take_compilations(self) -> Tuple[int, float]:
+        """With XLA: the train step's compilations since the last call and their seconds (trace,
+        compile or load from the persistent cache, one step); resets both."""
+        taken = (self.compilations, self.compile_seconds)
+        self.compilations, self.compile_seconds = 0, 0.0
+        return taken
 
     def accumulate(self, step_batches: List) -> Dict:
         """A micro-batch of ``accum_grad_multiple_step``: adds each replica's gradients to its sums,

@@ -439,7 +439,8 @@ class Trainer:
         if xla:
             print(
                 f"epoch {epoch}: XLA: {xla['xla_compiled_shapes']} step shapes compiled (buckets "
-                f"{list(self.batching.boundaries)}), {100 * xla['padding_fraction']:.1f}% of frames are padding, "
+                f"{list(self.batching.boundaries)}), {xla['xla_compilations']} compilations in this epoch "
+                f"({xla['xla_compile_seconds']:.1f} s), {100 * xla['padding_fraction']:.1f}% of frames are padding, "
                 f"{xla['dropped_seqs']} sequences longer than the largest bucket dropped",
                 file=self.log.v2,
             )
@@ -547,8 +548,11 @@ class Trainer:
         if not isinstance(self.batching, BucketBatching):
             return None
         dropped, self.batching.dropped = self.batching.dropped, 0
+        compilations, seconds = self.steps.take_compilations()
         return {
             "xla_compiled_shapes": len(self.steps.compiled_shapes),
+            "xla_compilations": compilations,
+            "xla_compile_seconds": round(seconds, 3),
             "padding_fraction": round(self.batching.take_padding_fraction(), 4),
             "dropped_seqs": dropped,
         }

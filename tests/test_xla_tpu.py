@@ -1,6 +1,8 @@
 """XLA-compiled replica steps, static shapes by bucketing, and the TPU path as far as a CPU shows it."""
 
 import json
+import os
+import shutil
 
 import numpy
 import pytest
@@ -133,3 +135,27 @@ def test_clear_error_before_training(tmp_path, strategy, options, expected):
     assert len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.config"]
+
+
+def test_compilations_are_counted_and_cached_for_the_next_run(tmp_path):
+    """Each bucket compiles once (counted per epoch with its seconds); TensorFlow's persistent
+    cache beside the checkpoints makes a second run of the config load them instead."""
+    config = NATIVE_LSTM_CONFIG.replace("nativelstm2", "standardlstm").replace('"num_seqs": 10', '"num_seqs": 60') + (
+        "num_epochs = 2\ndistribute_strategy = 'single'\n"
+        "distribute_options = {'jit_compile': True, 'bucket_boundaries': [40, 80, 120]}\n")
+    seconds = []
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "train.config").write_text(config)
+        if run == "second":  # the same model folder's cache, as for a resumed run
+            shutil.copytree(tmp_path / "first" / "out" / "xla_cache", tmp_path / run / "out" / "xla_cache")
+        result = run_cli(["train.config"], cwd=tmp_path / run)
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(tmp_path / run / "out" / "metrics.jsonl") as f:
+            metrics = [json.loads(line) for line in f]
+        assert metrics[0]["xla_compilations"] == metrics[0]["xla_compiled_shapes"] >= 2, metrics[0]
+        assert metrics[1]["xla_compilations"] == 0  # the second epoch compiles nothing
+        seconds.append(metrics[0]["xla_compile_seconds"])
+    assert os.listdir(tmp_path / "first" / "out" / "xla_cache")
+    print(f"compile seconds of epoch 1: first run {seconds[0]:.2f}, with the cache {seconds[1]:.2f}")
+    assert seconds[1] < 0.8 * seconds[0]
