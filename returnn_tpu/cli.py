@@ -2,6 +2,8 @@
 
 ``returnn-tpu --local-workers N [--max-restarts K] CONFIG ...`` runs N workers of one cluster on
 127.0.0.1 (and restarts all of them from the newest checkpoint up to K times after a failure).
+``returnn-tpu --check`` runs every strategy this machine's devices allow on a tiny network
+(:mod:`returnn_tpu.selfcheck`).
 
 Exit status: 0 on success, 2 for bad input (one line on stderr naming the option; nothing is
 written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT) stopped it at
@@ -17,7 +19,7 @@ from typing import List, Optional
 
 from returnn_tpu.errors import ConfigError
 
-USAGE = "usage: returnn-tpu [--local-workers N [--max-restarts K]] CONFIG [++key value ...]"
+USAGE = "usage: returnn-tpu [--local-workers N [--max-restarts K]] CONFIG [++key value ...] | returnn-tpu --check"
 
 
 def split_args(argv: List[str]):
@@ -66,6 +68,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
+    if argv == ["--check"]:
+        from returnn_tpu.selfcheck import check
+
+        return check()
     if argv and argv[0] == "--local-workers":
         restarts = 0
         if len(argv) > 3 and argv[2] == "--max-restarts":

@@ -201,3 +201,14 @@ def test_other_tasks_run_plain_returnn_on_our_checkpoint(tmp_path):
     assert "RETURNN starting up" in result.stdout and "Evaluate epoch 1" in result.stdout
     assert "returnn-tpu: strategy" not in result.stdout  # our trainer did not run
     assert "dev: score" in result.stdout
+
+
+def test_check_runs_every_strategy_this_machine_allows(tmp_path):
+    """``returnn-tpu --check``: the device list and one passing row per strategy (no TPU here)."""
+    result = run_cli(["--check"], cwd=tmp_path, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = {line.split("  ")[0]: line for line in result.stdout.splitlines() if line.endswith("pass")}
+    assert set(table) == {"single", "single + XLA", "mirrored", "mirrored + XLA", "local_sgd", "local_sgd + XLA",
+                          "local_sgd_tpu program, local devices", "two local workers (--local-workers 2)"}, \
+        result.stdout
+    assert "no TPU found" in result.stdout and "8 of 8 passed" in result.stdout
