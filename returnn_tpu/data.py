@@ -97,7 +97,10 @@ class BucketBatching(BatchingOptions):
 
     A sequence (or chunk, with ``chunking``) goes to the smallest bucket boundary >= its length
     in frames of ``key``; longer ones are dropped (and counted). A bucket of boundary ``L`` makes
-    batches of ``max(1, min(max_seqs, batch_size // L))`` sequences. Every batch is padded to its
+    batches of as many sequences as fit in ``batch_size`` frames (and ``max_seqs``), rounded down
+    to a multiple of 8, or below 8 to a power of two: accelerators tile the batch axis by 8, and
+    a compiled step of 6 or 12 sequences is slower than one of 8 (FACTS.md, "XLA shapes"). Every
+    batch is padded to its
     bucket's length and sequence count; padded sequences have length 0 and padded frames lie past
     each sequence's length, so RETURNN masks both. The step thus sees one shape per bucket.
     Batches are emitted in the order of their first sequence (datasets load in increasing order).
@@ -115,7 +118,8 @@ class BucketBatching(BatchingOptions):
 
     def seqs_per_batch(self, boundary: int) -> int:
         limit = self.max_seqs if self.max_seqs > 0 else 10**9
-        return max(1, min(limit, self.batch_size // boundary))
+        fit = max(1, min(limit, self.batch_size // boundary))
+        return fit - fit % 8 if fit >= 8 else 1 << (fit.bit_length() - 1)
 
     def bucket_of(self, length: int) -> Optional[int]:
         return next((b for b in self.boundaries if length <= b), None)
@@ -168,7 +172,8 @@ class BucketBatching(BatchingOptions):
 
 def default_bucket_boundaries(dataset, key: str, num_buckets: int = 4, max_seqs: int = 2000) -> List[int]:
     """Bucket boundaries from the length statistics of (up to ``max_seqs`` of) ``dataset``:
-    the quantiles 1/n, 2/n, ..., 1 of the lengths of ``key``, rounded up to multiples of 8."""
+    the quantiles 1/n, 2/n, ..., 1 of the lengths of ``key``, rounded up to powers of two (at
+    least 8), so that there are few shapes (those that coincide are one)."""
     dataset.init_seq_order(epoch=1)
     lengths = []
     for seq_idx, t_start, t_end in dataset.iterate_seqs(recurrent_net=True, used_data_keys=[key]):
@@ -177,7 +182,7 @@ def default_bucket_boundaries(dataset, key: str, num_buckets: int = 4, max_seqs:
             break
     dataset.finish_epoch()
     quantiles = numpy.quantile(lengths, [(i + 1) / num_buckets for i in range(num_buckets)])
-    return sorted({int(-(-q // 8) * 8) for q in quantiles})
+    return sorted({max(8, 1 << (int(numpy.ceil(q)) - 1).bit_length()) for q in quantiles})
 
 
 def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 0, distribution: str = "shard") -> list:
