@@ -91,7 +91,7 @@ def save_interrupted(model_filename: str, prefix: str, variables: Mapping[str, t
     """Writes ``prefix`` (an epoch's prefix + :data:`INTERRUPTED_MARK`): the model of an epoch
     stopped after ``steps_done`` steps, with those two numbers, and removes any older interrupted
     checkpoint of ``model_filename``. RETURNN's own resume ignores the file (its name is no
-    epoch's); its ``load`` option reads it as any checkpoint."""
+    epoch's); ``TFNetwork.load_params_from_file`` reads it as any checkpoint."""
     save(prefix, {**variables, _EPOCH_KEY: tf.constant(epoch, tf.int64), _STEPS_KEY: tf.constant(steps_done, tf.int64)})
     remove_interrupted(model_filename, keep=prefix)
 

@@ -16,16 +16,25 @@ NETWORK = {
 }
 
 
-def test_checkpoint_loads_in_plain_returnn(tmp_path, rng):
+@pytest.mark.parametrize("kind", ["epoch", "interrupted"])
+def test_checkpoint_loads_in_plain_returnn(tmp_path, rng, kind):
+    """An epoch's checkpoint, and one of an epoch stopped by a signal (which holds two more
+    numbers), load in plain RETURNN and give our model's outputs."""
     from returnn.tf.network import TFNetwork
 
     trainer = make_trainer(tmp_path, NETWORK, distribute_options={"param_sync_step": 100}, optimizer={"class": "adam"})
     for _ in range(3):
         trainer.train_step(random_step_batches(rng, 2), 0.05)
     trainer.sync()
-    prefix = str(tmp_path / "model.001")
-    checkpoints.save(prefix, trainer.model_state())
-    assert sorted(os.listdir(tmp_path)) == ["model.001.data-00000-of-00001", "model.001.index"]
+    if kind == "epoch":
+        prefix = str(tmp_path / "model.001")
+        checkpoints.save(prefix, trainer.model_state())
+    else:
+        prefix = str(tmp_path / "model.001.interrupted")
+        checkpoints.save_interrupted(str(tmp_path / "model"), prefix, trainer.model_state(), epoch=1, steps_done=3)
+        assert checkpoints.interrupted(str(tmp_path / "model"), 1) == (prefix, 1, 3)
+    assert sorted(os.listdir(tmp_path)) == [f"{os.path.basename(prefix)}.data-00000-of-00001",
+                                            f"{os.path.basename(prefix)}.index"]
 
     (batch,) = random_step_batches(rng, 1)
 
