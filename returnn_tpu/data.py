@@ -96,7 +96,8 @@ class BucketBatching(BatchingOptions):
     """Static shapes for XLA: sequences grouped by length into buckets, batches padded to them.
 
     A sequence (or chunk, with ``chunking``) goes to the smallest bucket boundary >= its length
-    in frames of ``key``; longer ones are dropped (and counted). A bucket of boundary ``L`` makes
+    in frames of ``key``; longer ones are dropped (and counted), or for evaluation
+    (``keep_longer``) go to a bucket of the next multiple of the largest boundary. A bucket of boundary ``L`` makes
     batches of as many sequences as fit in ``batch_size`` frames (and ``max_seqs``), rounded down
     to a multiple of 8, or below 8 to a power of two: accelerators tile the batch axis by 8, and
     a compiled step of 6 or 12 sequences is slower than one of 8 (FACTS.md, "XLA shapes"). Every
@@ -106,8 +107,9 @@ class BucketBatching(BatchingOptions):
     Batches are emitted in the order of their first sequence (datasets load in increasing order).
     """
 
-    def __init__(self, config, boundaries, key: str):
+    def __init__(self, config, boundaries, key: str, keep_longer: bool = False):
         super().__init__(config)
+        self.keep_longer = keep_longer  # evaluation: every sequence counts, longer ones get larger buckets
         if not isinstance(self.batch_size, int):
             raise ConfigError(f"batch_size must be an int with bucketing, got {self.batch_size!r}")
         self.boundaries = sorted(int(b) for b in boundaries)
@@ -122,6 +124,10 @@ class BucketBatching(BatchingOptions):
         return fit - fit % 8 if fit >= 8 else 1 << (fit.bit_length() - 1)
 
     def bucket_of(self, length: int) -> Optional[int]:
+        """The bucket of a sequence of ``length`` frames; longer than the largest: None (dropped),
+        or with ``keep_longer`` the next multiple of the largest."""
+        if length > self.boundaries[-1] and self.keep_longer:
+            return -(-length // self.boundaries[-1]) * self.boundaries[-1]
         return next((b for b in self.boundaries if length <= b), None)
 
     def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:

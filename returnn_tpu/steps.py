@@ -90,7 +90,8 @@ class ReplicaSteps:
             tf.function(self._forward_backward_xla, autograph=False, jit_compile=True) if jit_compile else None
         )
         self._accumulate = tf.function(self._accumulate_fn, autograph=False, reduce_retracing=not jit_compile)
-        self._evaluate = tf.function(self._evaluate_fn, autograph=False, reduce_retracing=True)
+        self._evaluate = tf.function(self._evaluate_fn, autograph=False, reduce_retracing=not jit_compile)
+        self._jit_evaluate = tf.function(self._evaluate_xla, autograph=False, jit_compile=True) if jit_compile else None
         self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
         self._start_sync = tf.function(self._start_sync_fn, autograph=False)
         # Per-replica batches -> (per-replica gradients by name, metrics), without an update.
@@ -318,9 +319,17 @@ class ReplicaSteps:
         return metrics
 
     def _replica_evaluate(self, batch, weight):
-        net, _ = self.builder.build(
-            batch, train=False, replica_id=static_replica_id(), global_step=self.optimizer.step
-        )
+        """One replica's eval metrics, scaled by its weight; compiled by XLA with ``jit_compile``."""
+        if self._jit_evaluate is not None:
+            return self._jit_evaluate(batch, weight, static_replica_id())
+        return self._evaluate_metrics(batch, weight, static_replica_id())
+
+    def _evaluate_xla(self, batch, weight, replica_id: int):
+        with without_summaries():
+            return self._evaluate_metrics(batch, weight, replica_id)
+
+    def _evaluate_metrics(self, batch, weight, replica_id: int):
+        net, _ = self.builder.build(batch, train=False, replica_id=replica_id, global_step=self.optimizer.step)
         return {key: value * weight for key, value in loss_metrics(net, train=False).items()}
 
     def _evaluate_fn(self, batch, weight):

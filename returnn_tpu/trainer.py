@@ -174,10 +174,11 @@ class Trainer:
 
     def _read_batching_options(self):
         """RETURNN's batching options from the config (again after a network's ``#config`` set them)."""
-        self.eval_batching = BatchingOptions(self.config)
-        self.batching = self.eval_batching
-        if self.bucket_boundaries is not None:
-            self.batching = BucketBatching(self.config, self.bucket_boundaries, self.extern_data.default_input)
+        self.eval_batching = self.batching = BatchingOptions(self.config)
+        if self.bucket_boundaries is not None:  # XLA: static shapes, for evaluation too (no sequence left out)
+            key = self.extern_data.default_input
+            self.batching = BucketBatching(self.config, self.bucket_boundaries, key)
+            self.eval_batching = BucketBatching(self.config, self.bucket_boundaries, key, keep_longer=True)
 
     def use_network_of_epoch(self, epoch: int):
         """Switches to the network ``epoch`` trains if it differs from the current one, as RETURNN's

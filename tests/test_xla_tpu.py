@@ -159,3 +159,25 @@ def test_compilations_are_counted_and_cached_for_the_next_run(tmp_path):
     assert os.listdir(tmp_path / "first" / "out" / "xla_cache")
     print(f"compile seconds of epoch 1: first run {seconds[0]:.2f}, with the cache {seconds[1]:.2f}")
     assert seconds[1] < 0.8 * seconds[0]
+
+
+def test_evaluation_with_xla_on_buckets_equals_plain_evaluation(tmp_path, rng):
+    """With ``jit_compile`` the dev set is evaluated compiled, on bucketed shapes, every sequence
+    (also those longer than the largest bucket): the scores of RETURNN's batching without XLA."""
+    from returnn_tpu.data import BatchingOptions
+
+    trainer = make_trainer(
+        tmp_path, LAYER_NETWORKS["standardlstm"], strategy="single", num_replicas=1, batch_size=400, max_seqs=6,
+        dev={"class": "Task12AXDataset", "num_seqs": 30, "fixed_random_seed": 1},
+        distribute_options={"jit_compile": True, "bucket_boundaries": [16, 32]},
+    )
+    trainer.train_step(random_step_batches(rng, 1), 0.01)  # builds the variables
+    compiled = trainer.evaluate(1)["dev"]
+    shapes = {b[0]["data"].shape for b, _ in trainer.epoch_batches(trainer.dev_datasets, 1, train=False)}
+    assert {length for _, length, _ in shapes} <= {16, 32, 64, 96, 128, 160}  # the buckets, and multiples of 32
+    assert any(length > 32 for _, length, _ in shapes)  # the longer sequences were evaluated
+    trainer.steps._jit_evaluate, trainer.eval_batching = None, BatchingOptions(trainer.config)
+    plain = trainer.evaluate(1)["dev"]
+    for kind in ("score", "error"):
+        for key, value in plain[kind].items():
+            assert compiled[kind][key] == pytest.approx(value, rel=1e-4), (kind, key)
