@@ -21,6 +21,7 @@ short: the trainer expects exactly the number of steps it was told.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import multiprocessing
 import os
@@ -56,6 +57,8 @@ class DataProducer:
                                         name="returnn_tpu data producer", daemon=True)
         self._process.start()
         self._started = False
+        # Before multiprocessing's own exit handler, which would wait for a producer that ignores SIGTERM.
+        atexit.register(self.close)
 
     @property
     def pid(self) -> int:
@@ -94,7 +97,7 @@ class DataProducer:
             return message
 
     def close(self):
-        """Ends the producer process (it also ends with the trainer's process)."""
+        """Ends the producer process (also called at the trainer's exit)."""
         if self._process.is_alive():
             try:
                 self._commands.send(("exit", None))

@@ -358,17 +358,24 @@ class Trainer:
                 self.train_epoch(epoch, first_step)
                 first_step = 0
         finally:
-            if self.producer:
-                self.producer.close()
+            self.close()
 
     def initialize_model(self):
         """RETURNN's ``task = "initialize_model"``: the initial parameters of epoch 1's network,
         written to ``model`` (no epoch suffix), as RETURNN writes them."""
-        self.use_network_of_epoch(1)
-        step_batches, _ = next(iter(self.epoch_batches(self.train_datasets, 1, train=True)))
-        self._build(step_batches)
-        if self.cluster.is_chief:
-            checkpoints.save(self.model_filename, self.model_state())
+        try:
+            self.use_network_of_epoch(1)
+            step_batches, _ = next(iter(self.epoch_batches(self.train_datasets, 1, train=True)))
+            self._build(step_batches)
+            if self.cluster.is_chief:
+                checkpoints.save(self.model_filename, self.model_state())
+        finally:
+            self.close()
+
+    def close(self):
+        """Ends the dataset producer process, if there is one."""
+        if self.producer:
+            self.producer.close()
 
     def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None):
         """One training step on one batch per local replica, then a local-SGD sync if one is due
