@@ -153,6 +153,9 @@ class BucketBatching(BatchingOptions):
         lengths = raw[size_key(self.key, 0)]
         bucket = self.bucket_of(int(lengths.max()))
         num_seqs = self.seqs_per_batch(bucket)
+        if len(lengths) > num_seqs:  # re-cut by deal_evenly (shard): the next size of the same rule
+            count = len(lengths)
+            num_seqs = count + -count % 8 if count >= 8 else 1 << (count - 1).bit_length()
         self.total_frames += bucket * num_seqs
         self.padded_frames += bucket * num_seqs - int(lengths.sum())
         out = {}
@@ -239,7 +242,8 @@ def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
     if not remainder:
         return batches
     tail = batches[-(num_slots + remainder):]
-    parts = [part for batch in tail for part in batch.seqs]
+    # In sequence order: datasets load sequences in increasing order (buckets interleave them).
+    parts = sorted((part for batch in tail for part in batch.seqs), key=lambda part: part.seq_idx)
     count = 2 * num_slots if len(parts) >= 2 * num_slots else num_slots
     if len(parts) < count:
         return batches[: len(batches) - remainder]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import atexit
 import copy
+import glob
+import itertools
 import multiprocessing
 import os
 import pickle
@@ -34,6 +36,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
+BLOCK_PREFIX = "returnn_tpu_"  # shared memory blocks are named returnn_tpu_<producer pid>_<n>
 LIVENESS_SECONDS = 1.0  # how often a waiting trainer checks that its producer still runs
 START_SECONDS = 600.0  # bound on the producer's start (loading RETURNN, TensorFlow, the datasets)
 
@@ -97,16 +100,20 @@ class DataProducer:
             return message
 
     def close(self):
-        """Ends the producer process (also called at the trainer's exit)."""
+        """Ends the producer process (also called at the trainer's exit) and frees the blocks
+        it made that training did not take."""
         if self._process.is_alive():
+            self._process.kill()  # it holds nothing to save
+        self._process.join()
+        while True:
             try:
-                self._commands.send(("exit", None))
-            except OSError:
-                pass
-            self._process.join(timeout=5)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
+                message = self._results.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                break
+            if message[0] == "step":
+                _free_block(message[1])
+        for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # made, not yet handed over
+            os.remove(path)
 
 
 class ProducedEpoch:
@@ -172,6 +179,20 @@ def _take_block(name: str, layout) -> List[dict]:
         block.unlink()
 
 
+def _free_block(name: str):
+    from multiprocessing import shared_memory
+
+    try:
+        block = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    block.close()
+    block.unlink()
+
+
+_blocks_made = itertools.count()
+
+
 def _put_block(batches: List[dict]):
     """``(name, layout)`` of a new shared memory block holding the arrays of ``batches``."""
     from multiprocessing import resource_tracker, shared_memory
@@ -188,7 +209,8 @@ def _put_block(batches: List[dict]):
             else:
                 entry[key] = (None, None, None, value)
         layout.append(entry)
-    block = shared_memory.SharedMemory(create=True, size=max(size, 1))
+    block = shared_memory.SharedMemory(name=f"{BLOCK_PREFIX}{os.getpid()}_{next(_blocks_made)}", create=True,
+                                       size=max(size, 1))
     # The trainer frees the block; this process's resource tracker must not free it again.
     resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 (CPython's own name for it)
     for offset, value in arrays:

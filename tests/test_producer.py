@@ -70,7 +70,7 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
 
 
 def _shared_memory_blocks():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+    return {name for name in os.listdir("/dev/shm") if name.startswith("returnn_tpu_")}
 
 
 def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path):
@@ -84,6 +84,7 @@ def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path)
                            train=True, slots=range(2), num_slots=2, pad_last=False)
     steps = iter(epoch)
     next(steps)
+    time.sleep(1)  # the producer fills the queue
     os.kill(producer.pid, signal.SIGKILL)
     start = time.time()
     with pytest.raises(ProducerError, match=rf"data producer \(pid {producer.pid}\) died \(exit status -9\)"):
@@ -91,6 +92,7 @@ def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path)
             pass
     assert time.time() - start < 3 * LIVENESS_SECONDS + 2
     producer.close()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"returnn_tpu_{producer.pid}_")]
 
 
 def test_a_failing_producer_stops_training_with_its_error(tmp_path):
