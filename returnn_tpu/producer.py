@@ -264,7 +264,10 @@ class _EpochMaker:
         setup_returnn()
         self.copies = [init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
                                      setup["distribution"]) for _ in range(2)]
-        self.extern_data = extern_data_template(config)
+        import tensorflow as tf
+
+        with tf.Graph().as_default():  # templates with defined dynamic dims, as the trainer's network inspection has
+            self.extern_data = extern_data_template(config, placeholders=True)
         self.ahead: Optional[Tuple[dict, threading.Thread, list]] = None  # (request, thread, [batches or error])
 
     def _make(self, request: dict):
