@@ -222,6 +222,7 @@ def _put_block(batches: List[dict]):
 
 def _serve(setup: dict, commands, results):
     """The producer process: answers the trainer's commands until ``exit`` (or its death)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow looks: the producer computes nothing on a GPU
     from returnn_tpu.launcher import die_with_parent
 
     die_with_parent()
@@ -258,7 +259,6 @@ class _EpochMaker:
         from returnn_tpu.returnn_bridge import extern_data_template, setup_returnn
         from returnn_tpu.startup import load_config, select_backend
 
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the producer computes nothing on a device
         config = load_config(setup["config_filename"], setup["overrides"])
         select_backend(config)
         setup_returnn()
