@@ -99,8 +99,8 @@ class BucketBatching(BatchingOptions):
     in frames of ``key``; longer ones are dropped (and counted), or for evaluation
     (``keep_longer``) go to a bucket of the next multiple of the largest boundary. A bucket of boundary ``L`` makes
     batches of as many sequences as fit in ``batch_size`` frames (and ``max_seqs``), rounded down
-    to a multiple of 8, or below 8 to a power of two: accelerators tile the batch axis by 8, and
-    a compiled step of 6 or 12 sequences is slower than one of 8 (FACTS.md, "XLA shapes"). Every
+    to a multiple of 8, or below 8 to a power of two: few distinct sizes, those TPUs tile well,
+    and on CPU the compiled step gains most with more sequences (FACTS.md, "XLA shapes"). Every
     batch is padded to its
     bucket's length and sequence count; padded sequences have length 0 and padded frames lie past
     each sequence's length, so RETURNN masks both. The step thus sees one shape per bucket.
