@@ -30,6 +30,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import traceback
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -38,7 +39,7 @@ import numpy
 
 BLOCK_PREFIX = "returnn_tpu_"  # shared memory blocks are named returnn_tpu_<producer pid>_<n>
 LIVENESS_SECONDS = 1.0  # how often a waiting trainer checks that its producer still runs
-START_SECONDS = 600.0  # bound on the producer's start (loading RETURNN, TensorFlow, the datasets)
+WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says so, and again each time
 
 
 class ProducerError(RuntimeError):
@@ -59,7 +60,6 @@ class DataProducer:
         self._process = context.Process(target=_serve, args=(setup, commands_end, self._results),
                                         name="returnn_tpu data producer", daemon=True)
         self._process.start()
-        self._started = False
         # Before multiprocessing's own exit handler, which would wait for a producer that ignores SIGTERM.
         atexit.register(self.close)
 
@@ -74,14 +74,14 @@ class DataProducer:
         self._commands.send(("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys),
                                            recurrent=recurrent, train=train, slots=slots, num_slots=num_slots,
                                            pad_last=pad_last)))
-        kind, num_steps = self._receive(START_SECONDS if not self._started else None, what="the epoch's batch lists")
-        self._started = True
+        kind, num_steps = self._receive(what=f"epoch {epoch}'s batch lists")
         assert kind == "steps", kind
         return ProducedEpoch(self, num_steps, batching)
 
-    def _receive(self, timeout: Optional[float] = None, what: str = "a batch"):
-        """The next message from the producer; :class:`ProducerError` if it failed, died, or
-        (with ``timeout``) took longer."""
+    def _receive(self, what: str = "a batch"):
+        """The next message from the producer; :class:`ProducerError` if it failed or died. A
+        long wait is reported every WAIT_REPORT_SECONDS (a large dataset's batch lists can take
+        long; a hung dataset is then seen, not silent)."""
         waited = 0.0
         while True:
             try:
@@ -91,9 +91,9 @@ class DataProducer:
                 if not self._process.is_alive():
                     raise ProducerError(f"data producer (pid {self.pid}) died (exit status "
                                         f"{self._process.exitcode}) while training waited for {what}") from None
-                if timeout is not None and waited >= timeout:
-                    raise ProducerError(f"data producer (pid {self.pid}) did not deliver {what} within "
-                                        f"{timeout:.0f} s") from None
+                if waited % WAIT_REPORT_SECONDS < LIVENESS_SECONDS:
+                    print(f"returnn-tpu: waiting {waited:.0f} s for the data producer (pid {self.pid}): {what}",
+                          file=sys.stderr, flush=True)
                 continue
             if message[0] == "error":
                 raise ProducerError(f"data producer (pid {self.pid}) failed: {message[1]}")
@@ -108,7 +108,7 @@ class DataProducer:
         while True:
             try:
                 message = self._results.get_nowait()
-            except (queue.Empty, OSError, ValueError):
+            except Exception:  # noqa: BLE001 (empty, or cut off by the kill)
                 break
             if message[0] == "step":
                 _free_block(message[1])
@@ -150,10 +150,9 @@ class ProducedEpoch:
                 producer._commands.send(("stop", None))
                 while True:
                     message = producer._receive(what="the end of the epoch")
-                    if message[0] == "step":
-                        _take_block(*message[1:3])
-                    else:
+                    if message[0] != "step":
                         break
+                    _free_block(message[1])
 
 
 def _take_block(name: str, layout) -> List[dict]:
