@@ -97,12 +97,11 @@ class BucketBatching(BatchingOptions):
 
     A sequence (or chunk, with ``chunking``) goes to the smallest bucket boundary >= its length
     in frames of ``key``; longer ones are dropped (and counted), or for evaluation
-    (``keep_longer``) go to a bucket of the next multiple of the largest boundary. A bucket of boundary ``L`` makes
-    batches of as many sequences as fit in ``batch_size`` frames (and ``max_seqs``), rounded down
-    to a multiple of 8, or below 8 to a power of two: few distinct sizes, those TPUs tile well,
-    and on CPU the compiled step gains most with more sequences (FACTS.md, "XLA shapes"). Every
-    batch is padded to its
-    bucket's length and sequence count; padded sequences have length 0 and padded frames lie past
+    (``keep_longer``) go to a bucket of the next multiple of the largest boundary. A bucket of
+    boundary ``L`` makes batches of as many sequences as fit in ``batch_size`` frames (and
+    ``max_seqs``), rounded down to a multiple of 8, or below 8 to a power of two: few distinct
+    sizes, those TPUs tile well, and on CPU the compiled step gains most with more sequences
+    (FACTS.md, "XLA shapes"). Every batch is padded to its bucket's length and sequence count; padded sequences have length 0 and padded frames lie past
     each sequence's length, so RETURNN masks both. The step thus sees one shape per bucket.
     Batches are emitted in the order of their first sequence (datasets load in increasing order).
     """
@@ -120,8 +119,7 @@ class BucketBatching(BatchingOptions):
 
     def seqs_per_batch(self, boundary: int) -> int:
         limit = self.max_seqs if self.max_seqs > 0 else 10**9
-        fit = max(1, min(limit, self.batch_size // boundary))
-        return fit - fit % 8 if fit >= 8 else 1 << (fit.bit_length() - 1)
+        return _batch_size_rule(max(1, min(limit, self.batch_size // boundary)), up=False)
 
     def bucket_of(self, length: int) -> Optional[int]:
         """The bucket of a sequence of ``length`` frames; longer than the largest: None (dropped),
@@ -154,8 +152,7 @@ class BucketBatching(BatchingOptions):
         bucket = self.bucket_of(int(lengths.max()))
         num_seqs = self.seqs_per_batch(bucket)
         if len(lengths) > num_seqs:  # re-cut by deal_evenly (shard): the next size of the same rule
-            count = len(lengths)
-            num_seqs = count + -count % 8 if count >= 8 else 1 << (count - 1).bit_length()
+            num_seqs = _batch_size_rule(len(lengths), up=True)
         self.total_frames += bucket * num_seqs
         self.padded_frames += bucket * num_seqs - int(lengths.sum())
         out = {}
@@ -172,11 +169,13 @@ class BucketBatching(BatchingOptions):
             setattr(self, name, 0)
         return counters
 
-    def take_padding_fraction(self) -> float:
-        """Padded frames / all frames since the last call (logged per epoch)."""
-        fraction = self.padded_frames / self.total_frames if self.total_frames else 0.0
-        self.padded_frames = self.total_frames = 0
-        return fraction
+
+
+def _batch_size_rule(count: int, *, up: bool) -> int:
+    """``count`` rounded down (or ``up``) to a multiple of 8, or below 8 to a power of two."""
+    if count >= 8:
+        return count + -count % 8 if up else count - count % 8
+    return 1 << ((count - 1).bit_length() if up else count.bit_length() - 1)
 
 
 def default_bucket_boundaries(dataset, key: str, num_buckets: int = 4, max_seqs: int = 2000) -> List[int]:

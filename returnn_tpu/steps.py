@@ -23,7 +23,6 @@ own and applies), then noise and clipping (:class:`returnn_tpu.optimizers.Gradie
 from __future__ import annotations
 
 import time
-
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -147,13 +146,12 @@ class ReplicaSteps:
         if due is not None and due.local and self.in_step:
             raise ValueError("worker-local syncs need merge_call, which the in-step path does not have")
         shape = tuple(sorted((key, value.shape) for key, value in step_batches[0].items())) if self.jit_compile else None
-        if shape is None or shape in self._run_shapes:
-            return self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
         start = time.perf_counter()
         metrics = self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
-        self._run_shapes.add(shape)
-        self.compilations += 1
-        self.compile_seconds += time.perf_counter() - start
+        if shape is not None and shape not in self._run_shapes:  # this call compiled the step
+            self._run_shapes.add(shape)
+            self.compilations += 1
+            self.compile_seconds += time.perf_counter() - start
         return metrics
 
     def take_compilations(self) -> Tuple[int, float]:

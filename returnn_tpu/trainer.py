@@ -555,12 +555,12 @@ class Trainer:
         """Per-epoch XLA figures (compiled shapes so far, padding, dropped sequences), or None."""
         if not isinstance(self.batching, BucketBatching):
             return None
-        dropped, self.batching.dropped = self.batching.dropped, 0
+        counted = self.batching.take_counters()
         compilations, seconds = self.steps.take_compilations()
         return {
             "xla_compiled_shapes": len(self.steps.compiled_shapes),
             "xla_compilations": compilations,
             "xla_compile_seconds": round(seconds, 3),
-            "padding_fraction": round(self.batching.take_padding_fraction(), 4),
-            "dropped_seqs": dropped,
+            "padding_fraction": round(counted["padded_frames"] / max(counted["total_frames"], 1), 4),
+            "dropped_seqs": counted["dropped"],
         }
