@@ -32,7 +32,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
@@ -354,35 +354,54 @@ class EpochBatches:
         return out, weights
 
     def __iter__(self) -> Iterator[Tuple[List[Batch], List[float]]]:
-        results: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-
-        def produce():
-            try:
-                for step in range(self.first_step, self.num_steps):
-                    if stop.is_set():
-                        return
-                    results.put(self._step(step))
-                results.put(None)
-            except BaseException as exc:  # handed to the consumer, which re-raises it
-                results.put(exc)
-
-        thread = threading.Thread(target=produce, name="returnn_tpu batches", daemon=True)
-        thread.start()
         try:
-            while True:
-                item = results.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    return
-                yield item
+            yield from read_ahead((self._step(step) for step in range(self.first_step, self.num_steps)),
+                                  self.prefetch, name="returnn_tpu batches")
         finally:
-            stop.set()
-            while thread.is_alive():  # unblock a producer waiting on a full queue
-                try:
-                    results.get(timeout=0.1)
-                except queue.Empty:
-                    pass
             for dataset in self.datasets:
                 dataset.finish_epoch()
+
+
+def read_ahead(items: Iterable, depth: int, *, name: str, transform: Optional[Callable] = None) -> Iterator:
+    """The items of ``items`` (each passed through ``transform``), made on a background thread
+    up to ``depth`` items ahead of the caller, so that reading (or copying to a device) overlaps
+    what the caller does with the previous item. An error on the thread is raised to the caller
+    at that item. When the caller stops early, the thread stops and ``items`` is closed (a
+    generator's ``finally`` runs) before this returns."""
+    results: "queue.Queue" = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def run():
+        iterator = iter(items)
+        try:
+            while not stop.is_set():
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    results.put(end)
+                    return
+                results.put(transform(item) if transform else item)
+        except BaseException as exc:  # handed to the caller, which re-raises it
+            results.put(exc)
+        finally:
+            if hasattr(iterator, "close"):
+                iterator.close()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = results.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock the thread if it waits on a full queue
+            try:
+                results.get(timeout=0.1)
+            except queue.Empty:
+                pass

@@ -104,6 +104,16 @@ class ReplicaSteps:
         """One value per local replica -> the strategy's per-replica value."""
         return distribute_local_values(self.strategy, per_replica, self.first_replica)
 
+    def place(self, step_batches: List) -> List[Dict[str, tf.Tensor]]:
+        """Each local replica's batch as tensors on that replica's device. Called on a thread one
+        step ahead (:func:`returnn_tpu.data.read_ahead`), so a step finds its batch there and
+        does not wait for the host-to-device copy."""
+        placed = []
+        for device, batch in zip(self.strategy.extended.worker_devices, step_batches):
+            with tf.device(device):
+                placed.append({key: tf.identity(value) for key, value in batch.items()})
+        return placed
+
     def create_variables(self, first_step: List):
         """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
         traces the train step, on one batch per local replica."""

@@ -20,6 +20,7 @@ import tensorflow as tf
 from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
+from returnn_tpu.data import read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, optimizer_from_config
@@ -317,6 +318,12 @@ class Trainer:
         batches.limit_steps(min(self.workers.all_workers(batches.num_steps)))
         return batches
 
+    def on_device(self, batches):
+        """``batches``' steps with each replica's batch already on its device: the next step's is
+        copied there while the current step runs."""
+        return read_ahead(batches, 1, name="returnn_tpu to device",
+                          transform=lambda step: (self.steps.place(step[0]), step[1]))
+
     def train(self):
         """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``.
 
@@ -414,7 +421,7 @@ class Trainer:
         batches = self.epoch_batches(self.train_datasets, epoch, train=True)
         batches.start_at(first_step)
         waited_since = start  # making the epoch's batch lists is waiting for data too
-        for step, (step_batches, _) in enumerate(batches, start=first_step):
+        for step, (step_batches, _) in enumerate(self.on_device(batches), start=first_step):
             self._stop_if_requested(epoch, step, stats)
             step_start = time.perf_counter()
             stats.data_wait_seconds += step_start - waited_since
@@ -536,7 +543,7 @@ class Trainer:
         results = {}
         for dataset in self.dev_datasets:
             scores = ScoreAccumulator(self.strategy, self.exp_loss)
-            for step_batches, weights in self.epoch_batches([dataset], epoch, train=False):
+            for step_batches, weights in self.on_device(self.epoch_batches([dataset], epoch, train=False)):
                 scores.add(self.steps.evaluate(step_batches, weights))
             scores.combine(self.workers.sum)
             results[dataset.name] = {"score": scores.score(), "error": scores.error()}
