@@ -17,7 +17,7 @@ STRATEGY_NAMES = ("single", "mirrored", "local_sgd", "multi_worker_mirrored", "t
 TPU_STRATEGY_NAMES = ("tpu", "local_sgd_tpu")
 CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "tpu", "local")
 DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")
-DATA_PRODUCERS = ("process", "thread")
+DATA_PRODUCERS = ("process", "chief", "thread")
 DEFAULT_PARAM_SYNC_STEP = 100
 LOCAL_SGD_STRATEGY_NAMES = ("local_sgd", "local_sgd_tpu")
 OUTER_OPTIMIZER_CLASSES = ("nesterov", "slowmo")
@@ -79,8 +79,9 @@ class DistributeOptions:
     :ivar skip_nonfinite_steps: an update whose loss or gradient is NaN or Inf in a replica is
         skipped and counted; without it, such an update stops the run.
     :ivar data_producer: where the training data is read, batched and padded: ``"process"``, a
-        producer process per worker (:mod:`returnn_tpu.producer`), or ``"thread"``, a thread of
-        the training process.
+        producer process per worker (:mod:`returnn_tpu.producer`), ``"chief"``, one on worker 0
+        that serves all workers over TCP (the dataset is read once per epoch across the
+        cluster), or ``"thread"``, a thread of the training process.
     :ivar data_prefetch: how many steps' batches are read ahead of training.
     """
 

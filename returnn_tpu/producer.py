@@ -14,9 +14,18 @@ into a new POSIX shared memory block, at most ``data_prefetch`` steps ahead. Onl
 name and the arrays' layout travel through the queue; the trainer copies the arrays out (one
 ``memcpy``) and frees the block.
 
+With ``data_producer = "chief"`` and several workers, only worker 0 starts a producer. It makes
+the batches of all replicas of all workers (the same ones each worker's own producer would make,
+so training is the same) and sends the other workers theirs over TCP (:class:`RemoteProducer`):
+the dataset is read once per epoch across the cluster. It listens on worker 0's address of the
+cluster spec (not on every interface), on a port it picks, which worker 0 tells the others
+through the workers' collective, together with a random key that every connection must prove
+(``multiprocessing.connection``'s HMAC challenge) before anything is unpickled.
+
 A producer that raises ends training with its error (the last line of its traceback); one
-that dies (killed, out of memory) is found within :data:`LIVENESS_SECONDS`. An epoch never ends
-short: the trainer expects exactly the number of steps it was told.
+that dies (killed, out of memory) is found within :data:`LIVENESS_SECONDS`, a remote one within
+:data:`REMOTE_SILENCE_SECONDS` (it sends a heartbeat while it has nothing else to send). An epoch
+never ends short: the trainer expects exactly the number of steps it was told.
 """
 
 from __future__ import annotations
@@ -33,13 +42,16 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
 BLOCK_PREFIX = "returnn_tpu_"  # shared memory blocks are named returnn_tpu_<producer pid>_<n>
 LIVENESS_SECONDS = 1.0  # how often a waiting trainer checks that its producer still runs
 WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says so, and again each time
+HEARTBEAT_SECONDS = 2.0  # how often worker 0's producer tells the other workers that it still runs
+REMOTE_SILENCE_SECONDS = 30.0  # a worker that hears nothing of worker 0's producer this long stops
+CONNECT_SECONDS = 120.0  # how long worker 0's producer waits for the other workers to connect
 
 
 class ProducerError(RuntimeError):
@@ -51,12 +63,12 @@ class DataProducer:
     ``overrides``); created once per worker, ended by :meth:`close` or with the trainer's process."""
 
     def __init__(self, config_filename: str, overrides: Sequence[str], *, dataset_key: str, num_replicas: int,
-                 first_replica: int, distribution: str, prefetch: int):
+                 first_replica: int, distribution: str, prefetch: int, serve: Optional["ServeOptions"] = None):
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs TensorFlow
         self._commands, commands_end = context.Pipe()
         self._results = context.Queue(maxsize=prefetch)
         setup = dict(config_filename=config_filename, overrides=list(overrides), dataset_key=dataset_key,
-                     num_replicas=num_replicas, first_replica=first_replica, distribution=distribution)
+                     num_replicas=num_replicas, first_replica=first_replica, distribution=distribution, serve=serve)
         self._process = context.Process(target=_serve, args=(setup, commands_end, self._results),
                                         name="returnn_tpu data producer", daemon=True)
         self._process.start()
@@ -67,18 +79,41 @@ class DataProducer:
     def pid(self) -> int:
         return self._process.pid
 
+    def port(self) -> int:
+        """With ``serve``: the port the producer listens on for the other workers."""
+        kind, port = self.receive(what="the port it listens on")
+        assert kind == "listening", kind
+        return port
+
     def epoch(self, *, epoch: int, batching, data_keys: Sequence[str], recurrent: bool, train: bool,
               slots: Optional[range], num_slots: Optional[int], pad_last: bool) -> "ProducedEpoch":
         """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`);
         returns once the producer has made the batch lists and knows the number of steps."""
-        self._commands.send(("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys),
-                                           recurrent=recurrent, train=train, slots=slots, num_slots=num_slots,
-                                           pad_last=pad_last)))
-        kind, num_steps = self._receive(what=f"epoch {epoch}'s batch lists")
+        self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), recurrent=recurrent,
+                                train=train, slots=slots, num_slots=num_slots, pad_last=pad_last))
+        kind, num_steps = self.receive(what=f"epoch {epoch}'s batch lists")
         assert kind == "steps", kind
         return ProducedEpoch(self, num_steps, batching)
 
-    def _receive(self, what: str = "a batch"):
+    # What ProducedEpoch needs of a producer (RemoteProducer has the same).
+
+    def send(self, kind: str, payload):
+        self._commands.send((kind, payload))
+
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    @staticmethod
+    def unpack(message) -> List[dict]:
+        """The batches of a ``step`` message (taken out of its shared memory block)."""
+        return _take_block(*message[1:3])
+
+    @staticmethod
+    def discard(message):
+        """Frees what a ``step`` message that training does not take holds."""
+        _free_block(message[1])
+
+    def receive(self, what: str = "a batch"):
         """The next message from the producer; :class:`ProducerError` if it failed or died. A
         long wait is reported every WAIT_REPORT_SECONDS (a large dataset's batch lists can take
         long; a hung dataset is then seen, not silent)."""
@@ -111,7 +146,7 @@ class DataProducer:
             except Exception:  # noqa: BLE001 (empty, or cut off by the kill)
                 break
             if message[0] == "step":
-                _free_block(message[1])
+                self.discard(message)
         for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # made, not yet handed over
             os.remove(path)
 
@@ -134,25 +169,171 @@ class ProducedEpoch:
 
     def __iter__(self) -> Iterator[Tuple[List[dict], List[float]]]:
         producer = self.producer
-        producer._commands.send(("go", (self.first_step, self.num_steps)))
+        producer.send("go", (self.first_step, self.num_steps))
         finished = False
         try:
             for step in range(self.first_step, self.num_steps):
-                message = producer._receive(what=f"step {step + 1} of {self.num_steps}")
-                assert message[0] == "step", message[0]
-                yield _take_block(*message[1:3]), message[3]
-            kind, counters = producer._receive(what="the end of the epoch")
+                message = producer.receive(what=f"step {step + 1} of {self.num_steps}")
+                if message[0] == "end":  # only when another worker's trainer stopped the shared producer
+                    raise ProducerError(f"the data producer ended the epoch after {step} of {self.num_steps} "
+                                        "steps: another worker stopped")
+                yield producer.unpack(message), message[3]
+            kind, counters = producer.receive(what="the end of the epoch")
             assert kind == "end", kind
             self.batching.add_counters(counters)
             finished = True
         finally:
-            if not finished and producer._process.is_alive():  # stopped early: drain and free the blocks
-                producer._commands.send(("stop", None))
-                while True:
-                    message = producer._receive(what="the end of the epoch")
-                    if message[0] != "step":
-                        break
-                    _free_block(message[1])
+            if not finished and producer.alive():  # stopped early: drain and free the blocks
+                try:
+                    producer.send("stop", None)
+                    while True:
+                        message = producer.receive(what="the end of the epoch")
+                        if message[0] != "step":
+                            break
+                        producer.discard(message)
+                except ProducerError:
+                    pass  # gone meanwhile: what stopped the epoch is the error to report
+
+
+class ServeOptions(NamedTuple):
+    """Where worker 0's producer (``data_producer = "chief"``) serves the other workers."""
+
+    host: str  # worker 0's host in the cluster spec
+    authkey: bytes  # what each connection must prove (random, told to the workers by the collective)
+    num_workers: int
+    replicas_per_worker: int
+
+
+class RemoteProducer:
+    """The producer of worker 0, as another worker sees it (``data_producer = "chief"``): the same
+    interface as :class:`DataProducer`, over a TCP connection."""
+
+    def __init__(self, address: Tuple[str, int], authkey: bytes, worker_index: int):
+        from multiprocessing.connection import Client
+
+        self.address = f"{address[0]}:{address[1]}"
+        try:
+            self._connection = Client(address, authkey=authkey)
+        except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
+            raise ProducerError(f"cannot connect to worker 0's data producer at {self.address}: {exc}") from None
+        self._connection.send(("hello", worker_index))
+
+    def epoch(self, *, epoch: int, batching, **_request) -> ProducedEpoch:
+        """Epoch ``epoch``'s batches for this worker (worker 0 asks for all workers' batches)."""
+        self.send("epoch", epoch)
+        kind, num_steps = self.receive(what=f"epoch {epoch}'s batch lists")
+        assert kind == "steps", kind
+        return ProducedEpoch(self, num_steps, batching)
+
+    def send(self, kind: str, payload):
+        try:
+            self._connection.send((kind, payload))
+        except OSError as exc:
+            raise ProducerError(f"worker 0's data producer ({self.address}) is gone: {exc}") from None
+
+    def alive(self) -> bool:
+        return not self._connection.closed
+
+    @staticmethod
+    def unpack(message) -> List[dict]:
+        return message[2]
+
+    @staticmethod
+    def discard(message):
+        pass  # arrives as arrays
+
+    def receive(self, what: str = "a batch"):
+        """The next message from worker 0's producer; :class:`ProducerError` if it failed, closed
+        the connection, or sent nothing (not even its heartbeat) for REMOTE_SILENCE_SECONDS."""
+        silent = 0.0
+        while True:
+            try:
+                if not self._connection.poll(LIVENESS_SECONDS):
+                    silent += LIVENESS_SECONDS
+                    if silent >= REMOTE_SILENCE_SECONDS:
+                        raise ProducerError(f"worker 0's data producer ({self.address}) sent nothing for "
+                                            f"{silent:.0f} s while training waited for {what}")
+                    continue
+                message = self._connection.recv()
+            except (EOFError, OSError):
+                raise ProducerError(f"worker 0's data producer ({self.address}) closed the connection while "
+                                    f"training waited for {what}") from None
+            silent = 0.0
+            if message[0] == "alive":
+                continue
+            if message[0] == "error":
+                raise ProducerError(f"data producer of worker 0 failed: {message[1]}")
+            return message
+
+    def close(self):
+        self._connection.close()
+
+
+class _Workers:
+    """Worker 0's producer's connections to the other workers, in worker order, and a heartbeat
+    thread that keeps them from taking silence for death."""
+
+    def __init__(self, listener, serve: ServeOptions):
+        connected = {}
+
+        def accept():
+            while len(connected) < serve.num_workers - 1:
+                connection = listener.accept()  # also checks the key
+                kind, worker = connection.recv()
+                assert kind == "hello", kind
+                connected[worker] = connection
+
+        threading.Thread(target=accept, name="returnn_tpu producer accept", daemon=True).start()
+        waited = 0.0
+        while len(connected) < serve.num_workers - 1 and waited < CONNECT_SECONDS:
+            threading.Event().wait(0.1)
+            waited += 0.1
+        missing = [f"worker {w}" for w in range(1, serve.num_workers) if w not in connected]
+        if missing:
+            raise ProducerError(f"{', '.join(missing)} did not connect to the data producer at "
+                                f"{serve.host}:{listener.address[1]} within {CONNECT_SECONDS:.0f} s")
+        self.connections = [connected[w] for w in range(1, serve.num_workers)]
+        self.replicas_per_worker = serve.replicas_per_worker
+        self._lock = threading.Lock()
+        threading.Thread(target=self._heartbeat, name="returnn_tpu producer heartbeat", daemon=True).start()
+
+    def _heartbeat(self):
+        while True:
+            threading.Event().wait(HEARTBEAT_SECONDS)
+            self.send_all(("alive",))
+
+    def send(self, worker: int, message):
+        """Sends ``message`` to worker ``worker`` (>= 1); ProducerError naming it if it is gone."""
+        try:
+            with self._lock:
+                self.connections[worker - 1].send(message)
+        except OSError as exc:
+            raise ProducerError(f"worker {worker} closed its connection to the data producer: {exc}") from None
+
+    def send_all(self, message):
+        for worker in range(1, len(self.connections) + 1):
+            self.send(worker, message)
+
+    def receive(self, worker: int, expected: str):
+        """The payload of worker ``worker``'s next command, which must be ``expected``. A worker's
+        ``stop`` is passed over: workers stop at the same step, and worker 0's ends the epoch."""
+        connection, kind = self.connections[worker - 1], "stop"
+        while kind == "stop":
+            try:
+                if not connection.poll(CONNECT_SECONDS):
+                    raise ProducerError(f"worker {worker} sent the data producer no {expected!r} within "
+                                        f"{CONNECT_SECONDS:.0f} s")
+                kind, payload = connection.recv()
+            except (EOFError, OSError):
+                raise ProducerError(f"worker {worker} closed its connection to the data producer") from None
+        if kind != expected:
+            raise ProducerError(f"worker {worker} sent {kind!r} to the data producer, expected {expected!r}")
+        return payload
+
+    def own_part(self, step_batches: list, weights: list, worker: int) -> Tuple[list, list]:
+        """Worker ``worker``'s replicas' part of a step's batches of all replicas."""
+        part = slice(worker * self.replicas_per_worker, (worker + 1) * self.replicas_per_worker)
+        return step_batches[part], weights[part]
 
 
 def _take_block(name: str, layout) -> List[dict]:
@@ -227,19 +408,34 @@ def _serve(setup: dict, commands, results):
     die_with_parent()
     for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer decides when to stop
         signal.signal(signum, signal.SIG_IGN)
+    workers = None
     try:
+        serve: Optional[ServeOptions] = setup["serve"]
+        if serve:
+            from multiprocessing.connection import Listener
+
+            listener = Listener((serve.host, 0), authkey=serve.authkey)
+            results.put(("listening", listener.address[1]))
         epochs = _EpochMaker(setup)
+        if serve:
+            workers = _Workers(listener, serve)
         while True:
             kind, payload = commands.recv()
             if kind == "exit":
                 return
             if kind == "epoch":
-                _produce_epoch(epochs, payload, commands, results)
+                _produce_epoch(epochs, payload, commands, results, workers)
     except (EOFError, KeyboardInterrupt):
         return  # the trainer is gone
     except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
         lines = traceback.format_exception_only(type(exc), exc)
-        results.put(("error", lines[-1].strip() if lines else type(exc).__name__))
+        error = ("error", lines[-1].strip() if lines else type(exc).__name__)
+        results.put(error)
+        if workers:
+            try:
+                workers.send_all(error)
+            except ProducerError:
+                pass  # that worker is gone already
 
 
 class _EpochMaker:
@@ -315,16 +511,38 @@ def _same_request(made_for: dict, request: dict) -> bool:
     return plain(made_for) == plain(request)
 
 
-def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results):
+def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, workers: Optional[_Workers]):
+    """Epoch ``request["epoch"]``: its step count to the trainer (and the other workers, which ask
+    for the same epoch), then, after the trainer's ``go``, each step's batches, until the end or
+    the trainer's ``stop``."""
+    others = range(1, len(workers.connections) + 1) if workers else range(0)
     batches = epochs.take(request)
+    for worker in others:
+        asked = workers.receive(worker, "epoch")
+        if asked != request["epoch"]:
+            raise ProducerError(f"worker {worker} asked the data producer for epoch {asked}, worker 0 for "
+                                f"{request['epoch']}")
     results.put(("steps", batches.num_steps))
+    for worker in others:
+        workers.send(worker, ("steps", batches.num_steps))
     kind, (first_step, num_steps) = commands.recv()
     assert kind == "go", kind
+    for worker in others:
+        if workers.receive(worker, "go") != (first_step, num_steps):
+            raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
     batches.start_at(first_step)
     batches.limit_steps(num_steps)
     epochs.make_next(request)
     for step_batches, weights in batches:
         if commands.poll() and commands.recv()[0] == "stop":
             break
-        results.put(("step", *_put_block(step_batches), weights))
+        if workers:
+            results.put(("step", *_put_block(step_batches[: workers.replicas_per_worker]),
+                         weights[: workers.replicas_per_worker]))
+            for worker in others:
+                workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
+        else:
+            results.put(("step", *_put_block(step_batches), weights))
     results.put(("end", batches.batching.take_counters()))
+    for worker in others:
+        workers.send(worker, ("end", {}))

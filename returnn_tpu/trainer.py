@@ -24,7 +24,7 @@ from returnn_tpu.data import read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, optimizer_from_config
-from returnn_tpu.producer import DataProducer
+from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
@@ -85,11 +85,9 @@ class Trainer:
                 f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
                 "inside the compiled step); use 'local_sgd' or 'mirrored'"
             )
-        self.producer = None
-        if options.data_producer == "process" and config_source:  # starts while the rest is set up
-            self.producer = DataProducer(*config_source, dataset_key="train", num_replicas=self.steps.local_replicas,
-                                         first_replica=self.steps.first_replica,
-                                         distribution=options.dataset_distribution, prefetch=options.data_prefetch)
+        # One producer serves all workers: it makes the batches of all replicas.
+        self.shared_producer = options.data_producer == "chief" and self.cluster.num_workers > 1
+        self.producer = self._start_producer(config_source) if config_source else None  # works while the rest is set up
         self.train_datasets = init_datasets(
             config, "train", self.steps.local_replicas, self.steps.first_replica, options.dataset_distribution
         )
@@ -135,6 +133,30 @@ class Trainer:
         self._resume_epoch = 0  # the epoch of the checkpoint to restore when the variables are created
         self._resume_prefix: Optional[str] = None  # that checkpoint (an epoch's, or an interrupted epoch's)
         self._network_epoch: Optional[int] = None  # the epoch whose network is built (None: none yet)
+
+    def _start_producer(self, config_source: Tuple[str, List[str]]):
+        """The training data's producer (``data_producer``): this worker's own process; with
+        ``"chief"`` and several workers, worker 0's, which serves all (worker 0 tells the others
+        its port and key through the collective); None for ``"thread"``."""
+        if self.options.data_producer == "thread":
+            return None
+        common = dict(dataset_key="train", distribution=self.options.dataset_distribution,
+                      prefetch=self.options.data_prefetch)
+        if not self.shared_producer:
+            return DataProducer(*config_source, num_replicas=self.steps.local_replicas,
+                                first_replica=self.steps.first_replica, **common)
+        host, producer = self.cluster.chief_host, None
+        if self.cluster.is_chief:
+            serve = ServeOptions(host, os.urandom(16), self.cluster.num_workers, self.steps.local_replicas)
+            producer = DataProducer(*config_source, num_replicas=self.steps.num_replicas, first_replica=0,
+                                    serve=serve, **common)
+            told = [producer.port(), *numpy.frombuffer(serve.authkey, numpy.uint32)]
+        else:
+            told = [0] * 5
+        port, *key = self.workers.rows([float(x) for x in told])[0]
+        if producer:
+            return producer
+        return RemoteProducer((host, int(port)), numpy.array(key, numpy.uint32).tobytes(), self.cluster.worker_index)
 
     def _replica_steps(self) -> ReplicaSteps:
         """Step functions for the builder's current network (traced on their first call)."""
@@ -300,7 +322,10 @@ class Trainer:
         # random_seed_offset: every replica walks its own copy (also with one replica per worker);
         # shard, and always for evaluation: one order, dealt to the replicas of all workers in turn.
         own_copies = train and self.options.dataset_distribution == "random_seed_offset"
-        ours = range(self.steps.first_replica, self.steps.first_replica + self.steps.local_replicas)
+        if self.shared_producer and train:  # it makes all replicas' batches and hands each worker its own
+            ours = range(self.steps.num_replicas)
+        else:
+            ours = range(self.steps.first_replica, self.steps.first_replica + self.steps.local_replicas)
         what = dict(
             epoch=epoch,
             data_keys=self.data_keys,

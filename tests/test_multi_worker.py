@@ -182,11 +182,16 @@ def _environ(pid):
     return {key.decode(): value.decode(errors="replace") for key, value in pairs}
 
 
-def test_multi_worker_mirrored_equals_mirrored(tmp_path):
+@pytest.mark.parametrize("producer", ["process", "chief"])
+def test_multi_worker_mirrored_equals_mirrored(tmp_path, producer):
+    """Two workers with sharded data train what one worker with two replicas trains: with a
+    producer per worker, and with worker 0's producer serving both (worker 1's own dataset, a
+    different one here, is then not read)."""
     options = {"dataset_distribution": "shard", "startup_timeout": 120}
     (tmp_path / "mw").mkdir()
     write_config(tmp_path / "mw" / "train.config", strategy="multi_worker_mirrored", num_epochs=1,
-                 optimizer="sgd", learning_rate=0.5, options=options)
+                 num_seqs="60" if producer == "process" else "60 if _worker == 0 else 30",
+                 optimizer="sgd", learning_rate=0.5, options=dict(options, data_producer=producer))
     (tmp_path / "mirrored").mkdir()
     write_config(tmp_path / "mirrored" / "train.config", strategy="mirrored", num_epochs=1, optimizer="sgd",
                  learning_rate=0.5, options=dict(options, num_replicas=2))

@@ -37,6 +37,13 @@ class Cluster:
         """Worker 0 writes checkpoints, the learning-rate file, metrics and the main log."""
         return self.worker_index == 0
 
+    @property
+    def chief_host(self) -> str:
+        """Worker 0's host in the cluster spec: where a service for all workers listens."""
+        spec = self.resolver.cluster_spec()
+        address = spec.job_tasks("chief" if "chief" in spec.jobs else "worker")[0]
+        return address.rsplit(":", 1)[0].strip("[]")
+
     def workers_named_in(self, text: str) -> List[str]:
         """The other workers that ``text`` (e.g. a TensorFlow error) mentions, as ``"worker 1 (host:port)"``."""
         if self.resolver is None:
