@@ -13,7 +13,12 @@ Each run trains the same config for ``--epochs`` epochs with ``single`` (one dev
 figures are the mean over the epochs after the first: RETURNN's own log line
 (``train epoch N, finished after S steps, H:MM:SS elapsed (P% computing time)``).
 
-    python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256]
+With ``--workers N``, the rows are instead ``local_sgd`` on N local workers (``--local-workers
+N``, sharded data) with a producer per worker, against one producer on worker 0 serving all
+(``data_producer = "chief"``), which has to make N times the batches: the baseline is then the
+producer per worker.
+
+    python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256] [--workers N]
 """
 
 from __future__ import annotations
@@ -75,8 +80,8 @@ num_epochs = {epochs}
 log = "out/train.log"
 log_verbosity = 4
 use_tensorflow = True
-distribute_strategy = "single"
-distribute_options = {{"data_producer": {producer!r}}}
+distribute_strategy = {strategy!r}
+distribute_options = {{"data_producer": {producer!r}, "dataset_distribution": "shard", "startup_timeout": 300}}
 """
 
 
@@ -119,26 +124,33 @@ def main():
     parser.add_argument("--seqs", type=int, default=1500)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--units", type=int, default=256, help="width of the two hidden layers (the step's cost)")
+    parser.add_argument("--workers", type=int, default=1, help="> 1: producer per worker against one on worker 0")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_pipeline_")
     hdf = os.path.join(work, "signal.hdf")
     write_hdf(hdf, args.seqs)
+    ours = [sys.executable, "-m", "returnn_tpu.cli"]
+    if args.workers > 1:
+        ours += ["--local-workers", str(args.workers)]
+        runs = [(f"{args.workers} workers, a producer per worker", "process", ours),
+                (f"{args.workers} workers, one producer on worker 0", "chief", ours)]
+    else:
+        runs = [("plain RETURNN (python -m returnn)", "process", [sys.executable, "-m", "returnn"]),
+                ("returnn-tpu, data on a thread", "thread", ours),
+                ("returnn-tpu, producer process", "process", ours)]
     rows = []
-    for name, producer, command in [
-        ("plain RETURNN (python -m returnn)", "process", [sys.executable, "-m", "returnn", "train.config"]),
-        ("returnn-tpu, data on a thread", "thread", [sys.executable, "-m", "returnn_tpu.cli", "train.config"]),
-        ("returnn-tpu, producer process", "process", [sys.executable, "-m", "returnn_tpu.cli", "train.config"]),
-    ]:
-        folder = os.path.join(work, producer + ("-plain" if "returnn_tpu" not in command[2] else ""))
+    for index, (name, producer, command) in enumerate(runs):
+        folder = os.path.join(work, f"run{index}")
         os.makedirs(os.path.join(folder, "out"))
         with open(os.path.join(folder, "train.config"), "w") as f:
             f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=hdf, epochs=args.epochs,
-                                  producer=producer, units=args.units))
-        rows.append(run(name, command, folder, args.epochs))
+                                  producer=producer, units=args.units,
+                                  strategy="local_sgd" if args.workers > 1 else "single"))
+        rows.append(run(name, command + ["train.config"], folder, args.epochs))
     base = rows[0]
     print(f"{args.units} units, epochs 2-{args.epochs} of {args.seqs} sequences, features made while reading "
-          "(mean over those epochs):")
-    print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs plain':>9s} {'whole run':>10s}")
+          "(mean over those epochs; steps/s of worker 0):")
+    print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'whole run':>10s}")
     for row in rows:
         rate = row["steps"] / max(row["elapsed"], 1)
         base_rate = base["steps"] / max(base["elapsed"], 1)

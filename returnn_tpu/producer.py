@@ -278,8 +278,13 @@ class _Workers:
 
         def accept():
             while len(connected) < serve.num_workers - 1:
-                connection = listener.accept()  # also checks the key
-                kind, worker = connection.recv()
+                try:
+                    connection = listener.accept()  # also checks the key
+                    kind, worker = connection.recv()
+                except (multiprocessing.AuthenticationError, OSError, EOFError) as exc:
+                    print(f"returnn-tpu: data producer: refused a connection from {listener.last_accepted}: {exc}",
+                          file=sys.stderr, flush=True)
+                    continue
                 assert kind == "hello", kind
                 connected[worker] = connection
 

@@ -115,3 +115,56 @@ def test_a_failing_producer_stops_training_with_its_error(tmp_path):
     assert len(errors) == 1 and "failed: ValueError: corrupt feature file for sequence 25" in errors[0], \
         result.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "model.001.index")
+
+
+def _assert_same_batches(ours, theirs):
+    assert sorted(ours) == sorted(theirs)
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype and ours[key].tobytes() == value.tobytes(), key
+
+
+def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path):
+    """``data_producer = "chief"``: worker 0's producer makes both replicas' batches (one per
+    worker) and sends worker 1 its own over a TCP connection that must prove the key; each
+    worker's part is that of the in-process batches, bit for bit. A wrong key is refused, and
+    worker 1 learns within a bound that the producer is gone."""
+    import threading
+
+    from returnn_tpu.data import BatchingOptions
+    from returnn_tpu.producer import DataProducer, ProducerError, RemoteProducer, ServeOptions
+
+    path, config, extern_data = _setup(tmp_path)
+    key = os.urandom(16)
+    producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
+                            prefetch=2, serve=ServeOptions("127.0.0.1", key, num_workers=2, replicas_per_worker=1))
+    try:
+        port = producer.port()
+        with pytest.raises(ProducerError, match=f"cannot connect to worker 0's data producer at 127.0.0.1:{port}"):
+            RemoteProducer(("127.0.0.1", port), os.urandom(16), worker_index=1)
+        remote = RemoteProducer(("127.0.0.1", port), key, worker_index=1)
+        request = dict(epoch=1, batching=BatchingOptions(config), data_keys=["classes", "data"], recurrent=True,
+                       train=True, slots=range(2), num_slots=2, pad_last=False)
+        expected = _in_process(config, extern_data, "shard", request)
+        received = {}
+
+        def worker_1():
+            received["epoch"] = epoch = remote.epoch(**dict(request, batching=BatchingOptions(config)))
+            received["steps"] = list(epoch)
+
+        thread = threading.Thread(target=worker_1)
+        thread.start()
+        own = list(producer.epoch(**request))
+        thread.join(timeout=60)
+        assert received["epoch"].num_steps == len(own) == len(received["steps"]) == len(expected) > 3
+        for (chief, chief_weights), (other, other_weights), (both, weights) in zip(own, received["steps"], expected):
+            assert chief_weights + other_weights == weights
+            _assert_same_batches(chief[0], both[0])
+            _assert_same_batches(other[0], both[1])
+        producer.close()
+        start = time.time()
+        with pytest.raises(ProducerError, match=r"worker 0's data producer \(127.0.0.1:\d+\) closed the connection"):
+            remote.epoch(**request)
+        assert time.time() - start < 5
+        remote.close()
+    finally:
+        producer.close()
