@@ -11,7 +11,9 @@ file) is evaluated after each epoch.
 
 Each run trains the same config for ``--epochs`` epochs with ``single`` (one device); the
 figures are the mean over the epochs after the first: RETURNN's own log line
-(``train epoch N, finished after S steps, H:MM:SS elapsed (P% computing time)``).
+(``train epoch N, finished after S steps, H:MM:SS elapsed (P% computing time)``) for the
+computing time, and the times at which those lines appear for steps/s
+(:func:`epoch_time.timed_run`).
 
 With ``--workers N``, the rows are instead ``local_sgd`` on N local workers (``--local-workers
 N``, sharded data) with a producer per worker, against one producer on worker 0 serving all
@@ -25,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from epoch_time import timed_run  # this script's folder is on the path
+
 SAMPLES_PER_FRAME, CLASSES = 80, 10
 
 CONFIG = """#!rnn.py
@@ -101,24 +101,6 @@ def write_hdf(path: str, num_seqs: int):
     writer.close()
 
 
-def run(name: str, command, folder: str, epochs: int):
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=folder, capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
-    wall = time.perf_counter() - start
-    with open(os.path.join(folder, "out", "train.log")) as f:
-        log = f.read()
-    found = re.findall(r"train epoch (\d+), finished after (\d+) steps, (\d+):(\d\d):(\d\d) elapsed "
-                       r"\((\d+\.\d)% computing time\)", log)
-    later = [row for row in found if int(row[0]) > 1]
-    if result.returncode != 0 or len(later) != epochs - 1:
-        sys.exit(f"{name} failed (status {result.returncode}):\n{result.stderr[-3000:]}")
-    steps = sum(int(row[1]) for row in later)
-    elapsed = sum(3600 * int(row[2]) + 60 * int(row[3]) + int(row[4]) for row in later)
-    share = sum(float(row[5]) for row in later) / len(later)
-    return {"name": name, "steps": steps, "elapsed": elapsed, "share": share, "wall": wall}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, default=1500)
@@ -146,16 +128,15 @@ def main():
             f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=hdf, epochs=args.epochs,
                                   producer=producer, units=args.units,
                                   strategy="local_sgd" if args.workers > 1 else "single"))
-        rows.append(run(name, command + ["train.config"], folder, args.epochs))
+        row = timed_run(command + ["train.config"], folder, os.path.join(folder, "out", "train.log"), args.epochs)
+        rows.append(dict(row, name=name))
     base = rows[0]
     print(f"{args.units} units, epochs 2-{args.epochs} of {args.seqs} sequences, features made while reading "
           "(mean over those epochs; steps/s of worker 0):")
     print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'whole run':>10s}")
     for row in rows:
-        rate = row["steps"] / max(row["elapsed"], 1)
-        base_rate = base["steps"] / max(base["elapsed"], 1)
-        print(f"{row['name']:38s} {row['share']:14.1f}% {rate:8.2f} {rate / base_rate:8.2f}x {row['wall']:9.1f}s")
-
+        print(f"{row['name']:38s} {row['share']:14.1f}% {row['steps_per_second']:8.2f} "
+              f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['wall']:9.1f}s")
 
 if __name__ == "__main__":
     main()
