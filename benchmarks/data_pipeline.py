@@ -20,13 +20,17 @@ N``, sharded data) with a producer per worker, against one producer on worker 0 
 (``data_producer = "chief"``), which has to make N times the batches: the baseline is then the
 producer per worker.
 
-    python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256] [--workers N]
+``--precomputed`` writes the features into the file and reads it with ``HDFDataset`` alone, which
+knows the lengths without reading: each worker's own producer then reads only its own part.
+
+    python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256] [--workers N] [--precomputed]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 
@@ -52,10 +56,13 @@ def _features(data, **_):
     return data
 
 def _features_of(hdf_options):
+    hdf = dict(hdf_options, **{{"class": "HDFDataset", "files": [{hdf!r}]}})
+    if {precomputed}:  # the file holds the features; HDFDataset knows the lengths without reading
+        return hdf
     return {{
         "class": "PostprocessingDataset",
         "seq_ordering": "default",  # RETURNN would sort a dev set; the wrapped dataset orders
-        "dataset": dict(hdf_options, **{{"class": "HDFDataset", "files": [{hdf!r}]}}),
+        "dataset": hdf,
         "map_seq": _features,
         "map_outputs": {{"data": {{"dims": [_time, _bands], "dtype": "float32"}},
                         "classes": {{"dims": [_time], "dtype": "int32", "sparse_dim": _classes}}}},
@@ -85,20 +92,31 @@ distribute_options = {{"data_producer": {producer!r}, "dataset_distribution": "s
 """
 
 
-def write_hdf(path: str, num_seqs: int):
-    """Sequences of 100-400 frames of random signal with random class labels."""
+def write_hdf(path: str, num_seqs: int, dim: int):
+    """Sequences of 100-400 frames of ``dim`` random values (signal, or features) with random class labels."""
     import numpy
     from returnn.datasets.hdf import SimpleHDFWriter
 
     rng = numpy.random.RandomState(1)
-    writer = SimpleHDFWriter(path, dim=SAMPLES_PER_FRAME, ndim=2, extra_type={"classes": (CLASSES, 1, "int32")},
+    writer = SimpleHDFWriter(path, dim=dim, ndim=2, extra_type={"classes": (CLASSES, 1, "int32")},
                              extra_labels={"classes": [str(i) for i in range(CLASSES)]})
     for seq in range(num_seqs):
         frames = int(rng.randint(100, 400))
-        signal = rng.randn(1, frames, SAMPLES_PER_FRAME).astype("float32")
+        signal = rng.randn(1, frames, dim).astype("float32")
         classes = rng.randint(0, CLASSES, (1, frames)).astype("int32")
         writer.insert_batch(signal, seq_len=[frames], seq_tag=[f"seq-{seq}"], extra={"classes": classes})
     writer.close()
+
+
+def run_config(work: str, index: int, producer: str, command, args) -> dict:
+    """Trains the benchmark's config with ``data_producer = producer`` by ``command`` in a folder of its own."""
+    folder = os.path.join(work, f"run{index}")
+    os.makedirs(os.path.join(folder, "out"))
+    with open(os.path.join(folder, "train.config"), "w") as f:
+        f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=os.path.join(work, "signal.hdf"),
+                              epochs=args.epochs, producer=producer, units=args.units, precomputed=args.precomputed,
+                              strategy="local_sgd" if args.workers > 1 else "single"))
+    return timed_run(command + ["train.config"], folder, os.path.join(folder, "out", "train.log"), args.epochs)
 
 
 def main():
@@ -107,10 +125,11 @@ def main():
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--units", type=int, default=256, help="width of the two hidden layers (the step's cost)")
     parser.add_argument("--workers", type=int, default=1, help="> 1: producer per worker against one on worker 0")
+    parser.add_argument("--precomputed", action="store_true",
+                        help="the HDF file holds the features (read directly, no PostprocessingDataset)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_pipeline_")
-    hdf = os.path.join(work, "signal.hdf")
-    write_hdf(hdf, args.seqs)
+    write_hdf(os.path.join(work, "signal.hdf"), args.seqs, dim=40 if args.precomputed else SAMPLES_PER_FRAME)
     ours = [sys.executable, "-m", "returnn_tpu.cli"]
     if args.workers > 1:
         ours += ["--local-workers", str(args.workers)]
@@ -120,23 +139,20 @@ def main():
         runs = [("plain RETURNN (python -m returnn)", "process", [sys.executable, "-m", "returnn"]),
                 ("returnn-tpu, data on a thread", "thread", ours),
                 ("returnn-tpu, producer process", "process", ours)]
-    rows = []
-    for index, (name, producer, command) in enumerate(runs):
-        folder = os.path.join(work, f"run{index}")
-        os.makedirs(os.path.join(folder, "out"))
-        with open(os.path.join(folder, "train.config"), "w") as f:
-            f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=hdf, epochs=args.epochs,
-                                  producer=producer, units=args.units,
-                                  strategy="local_sgd" if args.workers > 1 else "single"))
-        row = timed_run(command + ["train.config"], folder, os.path.join(folder, "out", "train.log"), args.epochs)
-        rows.append(dict(row, name=name))
+    try:
+        rows = [dict(run_config(work, index, producer, command, args), name=name)
+                for index, (name, producer, command) in enumerate(runs)]
+    finally:
+        shutil.rmtree(work)  # the HDF file is large
     base = rows[0]
-    print(f"{args.units} units, epochs 2-{args.epochs} of {args.seqs} sequences, features made while reading "
+    made = "features read from the file" if args.precomputed else "features made while reading"
+    print(f"{args.units} units, epochs 2-{args.epochs} of {args.seqs} sequences, {made} "
           "(mean over those epochs; steps/s of worker 0):")
     print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'whole run':>10s}")
     for row in rows:
         print(f"{row['name']:38s} {row['share']:14.1f}% {row['steps_per_second']:8.2f} "
               f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['wall']:9.1f}s")
+
 
 if __name__ == "__main__":
     main()
