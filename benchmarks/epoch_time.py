@@ -1,8 +1,8 @@
 """Epoch time of returnn-tpu with one replica against plain RETURNN, on the same config.
 
-Runs ``python -m returnn CONFIG`` and ``returnn-tpu CONFIG ++distribute_strategy single`` (each
-in a folder of its own, with ``model`` and ``log`` pointed there), one after the other, and
-timestamps each ``train epoch N, finished after ...`` line as it appears in the log (RETURNN's
+Runs ``python -m returnn CONFIG`` and ``returnn-tpu CONFIG ++distribute_strategy single
+++distribute_options {}`` (returnn-tpu's defaults), each in a folder of its own with ``model``
+and ``log`` pointed there, one after the other, and timestamps each ``train epoch N, finished after ...`` line as it appears in the log (RETURNN's
 own log lines round to whole seconds). An epoch's time is the time from one such line to the
 next: the evaluation and checkpoint of the epoch before, then the epoch's training. Prints the
 mean over the epochs after the first, and their ratio.
@@ -71,7 +71,7 @@ def main():
     commands = {
         "plain RETURNN (python -m returnn)": [sys.executable, "-m", "returnn", config, *settings],
         "returnn-tpu, single": [sys.executable, "-m", "returnn_tpu.cli", config, *settings,
-                                "++distribute_strategy", "single"],
+                                "++distribute_strategy", "single", "++distribute_options", "{}"],
     }
     results = {name: [] for name in commands}
     for run in range(args.runs):
