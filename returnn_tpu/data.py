@@ -226,6 +226,17 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     return datasets
 
 
+def init_eval_datasets(config) -> list:
+    """The datasets RETURNN evaluates after each training epoch, in its order: ``dev``, ``eval``
+    (both with RETURNN's defaults for evaluation) and each of ``eval_datasets`` (name -> options)."""
+    from returnn.datasets import init_dataset
+
+    datasets = init_datasets(config, "dev") + init_datasets(config, "eval")
+    for name, opts in (config.typed_value("eval_datasets", None) or {}).items():
+        datasets.append(init_dataset(opts, default_kwargs={"name": name}))
+    return datasets
+
+
 def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
     """RETURNN's batches, the last few re-cut so that their number is a multiple of ``num_slots``.
 

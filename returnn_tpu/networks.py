@@ -114,8 +114,9 @@ class EpochNetworks:
         return set(updates)
 
     def model_filename(self, model: str, epoch: int) -> str:
-        """The checkpoint prefix of ``epoch`` (``model.pretrain.NNN`` in pretrain epochs)."""
+        """The checkpoint prefix of ``epoch`` (``model.pretrain.NNN`` in pretrain epochs; epoch 0,
+        the initial model, is named as epoch 1 is)."""
         from returnn.engine.base import EngineBase
 
-        return EngineBase.epoch_model_filename(model, epoch, is_pretrain=self.is_pretrain_epoch(epoch))
+        return EngineBase.epoch_model_filename(model, epoch, is_pretrain=self.is_pretrain_epoch(max(epoch, 1)))
 

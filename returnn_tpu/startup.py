@@ -182,6 +182,11 @@ def check_classes(config):
     "What imports TensorFlow")."""
     for key in ("train", "dev", "eval"):
         _check_dataset(key, config.typed_value(key, None))
+    eval_datasets = config.typed_value("eval_datasets", None) or {}
+    if not isinstance(eval_datasets, dict):
+        raise ConfigError(f"eval_datasets must be a dict (name -> dataset options), got {eval_datasets!r}")
+    for name, opts in eval_datasets.items():
+        _check_dataset(f"eval_datasets[{name!r}]", opts)
     check_layer_classes(config.typed_value("network", None))
 
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import read_ahead
+from returnn_tpu.data import init_eval_datasets, read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, optimizer_from_config
@@ -99,7 +99,7 @@ class Trainer:
             key = self.extern_data.default_input
             self.bucket_boundaries = options.bucket_boundaries or default_bucket_boundaries(self.train_datasets[0], key)
         self._read_batching_options()
-        self.dev_datasets = init_datasets(config, "dev")
+        self.dev_datasets = init_eval_datasets(config)
         for dataset in self.train_datasets[:1] + self.dev_datasets:
             self._check_data_matches(dataset)
         self.model_filename = config.value("model", None)
@@ -417,6 +417,9 @@ class Trainer:
         """
         if not self._built:
             self._build(step_batches)
+            if self.micro_steps == 0 and self.config.bool("save_epoch1_initial_model", False) and self.cluster.is_chief:
+                # RETURNN's option: the parameters before epoch 1's first update, as model.000
+                checkpoints.save(self.networks.model_filename(self.model_filename, 0), self.model_state())
         stats = stats or EpochStats()
         stats.steps += 1
         self.micro_steps += 1

@@ -32,23 +32,31 @@ def run(tool: str, config: str, workdir: str, args: List[str], env=None, timeout
     return result
 
 
-def initial_params(tool: str, config: str, workdir: str, env=None) -> Dict[str, "numpy.ndarray"]:
-    """The parameters ``task = "initialize_model"`` writes (optimizer state left out)."""
+def initial_params(workdir: str) -> Dict[str, "numpy.ndarray"]:
+    """The parameters that ``save_epoch1_initial_model`` wrote before the first update."""
+    import glob
+
+    found = glob.glob(os.path.join(workdir, "out", "model*.000.index"))
+    assert len(found) == 1, found
+    return initial_params_of(found[0][: -len(".index")])
+
+
+def initial_params_of(prefix: str) -> Dict[str, "numpy.ndarray"]:
+    """A checkpoint's parameters, optimizer state left out."""
     import tensorflow as tf
 
-    extra = ["++distribute_strategy", "single"] if tool == "returnn_tpu" else []
-    run(tool, config, workdir, ["++task", "initialize_model", "++model", "init", "++log", os.path.join(workdir, "init.log"), *extra], env=env)
-    reader = tf.train.load_checkpoint(os.path.join(workdir, "init"))
+    reader = tf.train.load_checkpoint(prefix)
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
             if name != "global_step" and not name.startswith("optimize/") and "/Adam" not in name
             and "/Momentum" not in name}
 
 
 def train_epoch(tool: str, config: str, workdir: str, strategy_args: List[str] = (), env=None):
-    """One epoch at log_verbosity 5: ``(first step's costs, learning_rate_file scores of epoch 1, log)``."""
+    """One epoch at log_verbosity 5, the initial model saved: ``(first step's costs,
+    learning_rate_file scores of epoch 1, log)``."""
     from returnn.learning_rate_control import LearningRateControl
 
-    result = run(tool, config, workdir, ["++log_verbosity", "5", "++model", "out/model",
+    result = run(tool, config, workdir, ["++log_verbosity", "5", "++model", "out/model", "++save_epoch1_initial_model", "True",
                                          "++learning_rate_file", "out/lr", "++log", os.path.join(workdir, "train.log"), *strategy_args],
                  env=env)
     match = STEP_COST.search(result.stdout)
@@ -63,11 +71,11 @@ def train_epoch(tool: str, config: str, workdir: str, strategy_args: List[str] =
 
 def compare(config: str, workdir: str, env=None) -> Dict[str, object]:
     """Runs both tools and returns what the parity test checks."""
-    plain = initial_params("returnn", config, os.path.join(workdir, "plain"), env=env)
-    ours = initial_params("returnn_tpu", config, os.path.join(workdir, "ours"), env=env)
     plain_step, plain_scores, _ = train_epoch("returnn", config, os.path.join(workdir, "plain"), env=env)
     our_step, our_scores, _ = train_epoch("returnn_tpu", config, os.path.join(workdir, "ours"),
                                           ["++distribute_strategy", "single"], env=env)
+    plain = initial_params(os.path.join(workdir, "plain"))
+    ours = initial_params(os.path.join(workdir, "ours"))
     return {"plain_params": plain, "our_params": ours, "plain_step": plain_step, "our_step": our_step,
             "plain_scores": plain_scores, "our_scores": our_scores}
 

@@ -2,7 +2,7 @@
 
 Each config in ``tests/configs`` is run by plain RETURNN (``python -m returnn``) and by
 returnn-tpu with ``distribute_strategy = "single"`` and the same seed: the initial parameters
-(``task = "initialize_model"``) must be equal, the loss of the first step (RETURNN's per-step line
+(``save_epoch1_initial_model``) must be equal, the loss of the first step (RETURNN's per-step line
 at ``log_verbosity = 5``) agree within 1e-4 relative, and the epoch-1 scores in
 ``learning_rate_file`` have the same keys, the train scores within 2% (errors and dev scores,
 where dropout masks differ, within 10%). Then ``local_sgd`` with two
@@ -16,7 +16,7 @@ import os
 import numpy
 import pytest
 
-from parity import CONFIGS, compare, run
+from parity import CONFIGS, compare, initial_params_of, run
 
 CONFIG_NAMES = sorted(name[: -len(".config")] for name in os.listdir(CONFIGS) if name.endswith(".config"))
 
@@ -68,6 +68,18 @@ def test_same_as_plain_returnn(name, tmp_path, env):
         ["++model", "out/model", "++distribute_strategy", "local_sgd", "++distribute_options",
          "{'num_replicas': 2, 'param_sync_step': 2}"], env=env)
     assert [f for f in os.listdir(tmp_path / "local_sgd" / "out") if f.endswith(".001.index")]  # (pretrain.)001
+
+
+def test_initialize_model_writes_what_plain_returnn_writes(tmp_path):
+    """``task = "initialize_model"``: the parameters plain RETURNN's task writes, to ``model``."""
+    config = os.path.join(CONFIGS, "old_style_12ax.config")
+    params = {}
+    for tool, extra in (("returnn", []), ("returnn_tpu", ["++distribute_strategy", "single"])):
+        run(tool, config, str(tmp_path / tool), ["++task", "initialize_model", "++model", "init", *extra])
+        params[tool] = initial_params_of(str(tmp_path / tool / "init"))
+    assert sorted(params["returnn"]) == sorted(params["returnn_tpu"])
+    for name, value in params["returnn"].items():
+        numpy.testing.assert_allclose(params["returnn_tpu"][name], value, atol=1e-6, rtol=0, err_msg=name)
 
 
 def lr_file_scores(path):
