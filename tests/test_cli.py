@@ -113,7 +113,7 @@ def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
     from returnn_tpu import checkpoints
 
     config = SMALL_CONFIG.replace('train = {"class": "Task12AXDataset", "num_seqs": 40}',
-                                  'train = {"class": "Task12AXDataset", "num_seqs": 600}')
+                                  'train = {"class": "Task12AXDataset", "num_seqs": 250}')
     config = config.replace('distribute_strategy = "local_sgd"', 'distribute_strategy = "mirrored"')
     config = config.replace('"num_replicas": 2, "param_sync_step": 2', '"num_replicas": 2').replace(
         "num_epochs = 3", "num_epochs = 2")
