@@ -41,6 +41,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -289,10 +290,9 @@ class _Workers:
                 connected[worker] = connection
 
         threading.Thread(target=accept, name="returnn_tpu producer accept", daemon=True).start()
-        waited = 0.0
-        while len(connected) < serve.num_workers - 1 and waited < CONNECT_SECONDS:
-            threading.Event().wait(0.1)
-            waited += 0.1
+        deadline = time.monotonic() + CONNECT_SECONDS
+        while len(connected) < serve.num_workers - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         missing = [f"worker {w}" for w in range(1, serve.num_workers) if w not in connected]
         if missing:
             raise ProducerError(f"{', '.join(missing)} did not connect to the data producer at "
@@ -304,8 +304,11 @@ class _Workers:
 
     def _heartbeat(self):
         while True:
-            threading.Event().wait(HEARTBEAT_SECONDS)
-            self.send_all(("alive",))
+            time.sleep(HEARTBEAT_SECONDS)
+            try:
+                self.send_all(("alive",))
+            except ProducerError:
+                return  # a worker is gone: the next step's send reports it
 
     def send(self, worker: int, message):
         """Sends ``message`` to worker ``worker`` (>= 1); ProducerError naming it if it is gone."""
