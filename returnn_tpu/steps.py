@@ -30,7 +30,7 @@ import tensorflow as tf
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer
 from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id, without_summaries
-from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step
+from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step, varying_shapes_spec
 from returnn_tpu.sync import ParameterAveraging, SyncDue, mean_over_all_replicas, mean_within_groups
 from returnn_tpu.sync import split_into_fragments
 
@@ -142,7 +142,9 @@ class ReplicaSteps:
         if self.local_sgd:
             self.fragments = split_into_fragments(sizes, self.num_fragments)
             self.averaging.create_state(self.strategy, self.trainable())
-        self._train.get_concrete_function(*self._train_args(batches, 0.0, None))
+        # XLA compiles per shape anyway (buckets); otherwise one trace for all shapes.
+        signature = batches if self.jit_compile else varying_shapes_spec(batches)
+        self._train.get_concrete_function(*self._train_args(signature, 0.0, None))
 
     def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue]) -> tuple:
         args = (batches, tf.constant(learning_rate, tf.float32))

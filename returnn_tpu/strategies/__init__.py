@@ -89,6 +89,22 @@ def syncs_in_step(strategy: tf.distribute.Strategy) -> bool:
     return isinstance(strategy, tf.distribute.TPUStrategy) or getattr(strategy.extended, "in_step_sync", False)
 
 
+def varying_shapes_spec(batches):
+    """The trace signature of per-replica batches (as :func:`distribute_local_values` makes them)
+    with the first two dimensions of every array (batch and time, which RETURNN's batches vary)
+    left open, so that one trace serves all batches; TensorFlow's own retracing would trace the
+    first shape, then again for the second."""
+    from tensorflow.python.distribute import values as values_lib
+
+    def spec(value):
+        if isinstance(value, values_lib.PerReplica):
+            return values_lib.PerReplicaSpec(*[spec(v) for v in value.values])
+        shape = [None] * min(2, value.shape.rank) + value.shape.as_list()[2:]
+        return tf.TensorSpec(shape, value.dtype)
+
+    return tf.nest.map_structure(spec, batches)
+
+
 def distribute_local_values(strategy: tf.distribute.Strategy, values: list, first_replica: int = 0):
     """One value per local replica (this worker's, whose first has global index ``first_replica``)
     -> the strategy's per-replica value."""
