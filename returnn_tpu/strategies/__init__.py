@@ -99,8 +99,8 @@ def varying_shapes_spec(batches):
     def spec(value):
         if isinstance(value, values_lib.PerReplica):
             return values_lib.PerReplicaSpec(*[spec(v) for v in value.values])
-        shape = [None] * min(2, value.shape.rank) + value.shape.as_list()[2:]
-        return tf.TensorSpec(shape, value.dtype)
+        shape = tf.TensorShape(value.shape)  # a tensor's, or a NumPy array's
+        return tf.TensorSpec([None] * min(2, shape.rank) + shape.as_list()[2:], tf.as_dtype(value.dtype))
 
     return tf.nest.map_structure(spec, batches)
 
