@@ -339,7 +339,7 @@ class _Workers:
         return payload
 
     def own_part(self, step_batches: list, weights: list, worker: int) -> Tuple[list, list]:
-        """Worker ``worker``'s replicas' part of a step's batches of all replicas."""
+        """Worker ``worker``'s replicas' part of a step's batches of all replicas (0: this one's)."""
         part = slice(worker * self.replicas_per_worker, (worker + 1) * self.replicas_per_worker)
         return step_batches[part], weights[part]
 
@@ -545,8 +545,8 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
         if commands.poll() and commands.recv()[0] == "stop":
             break
         if workers:
-            results.put(("step", *_put_block(step_batches[: workers.replicas_per_worker]),
-                         weights[: workers.replicas_per_worker]))
+            own_batches, own_weights = workers.own_part(step_batches, weights, 0)
+            results.put(("step", *_put_block(own_batches), own_weights))
             for worker in others:
                 workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
         else:
