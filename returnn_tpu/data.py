@@ -32,6 +32,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
@@ -277,7 +278,9 @@ class EpochBatches:
     steps as the shortest), or one dataset whose batches are dealt in turn to ``num_slots``
     global replicas, of which this process feeds ``slots`` (a range). The batch lists are made
     up front (RETURNN's batch generator, no data loaded), so :attr:`num_steps` is known before
-    the first step and workers can agree on it; :meth:`limit_steps` lowers it. A dealt dataset
+    the first step and workers can agree on it; :meth:`limit_steps` lowers it. Datasets that know
+    a sequence's length only once they have made it (generated ones, ``CachedDataset2``) make the
+    whole epoch here: :attr:`making_seconds` says how long that took. A dealt dataset
     uses every sequence once (:func:`deal_evenly`).
 
     With ``pad_last`` (evaluation), the last, incomplete group of a dealt dataset is kept and
@@ -310,11 +313,13 @@ class EpochBatches:
         self.first_step = 0
         self.batching = batching
         self.batch_lists = []
+        start = time.perf_counter()
         for dataset in self.datasets:
             dataset.init_seq_order(epoch=epoch)
             self.batch_lists.append(
                 batching.generate(dataset, recurrent=recurrent, used_data_keys=set(self.data_keys), train=train)
             )
+        self.making_seconds = time.perf_counter() - start
         if len(self.datasets) > 1:
             self.num_steps = min(len(batches) for batches in self.batch_lists)
         elif not pad_last and self.num_slots > 1:

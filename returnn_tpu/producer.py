@@ -92,9 +92,9 @@ class DataProducer:
         returns once the producer has made the batch lists and knows the number of steps."""
         self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), recurrent=recurrent,
                                 train=train, slots=slots, num_slots=num_slots, pad_last=pad_last))
-        kind, num_steps = self.receive(what=f"epoch {epoch}'s batch lists")
+        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists")
         assert kind == "steps", kind
-        return ProducedEpoch(self, num_steps, batching)
+        return ProducedEpoch(self, num_steps, batching, making_seconds)
 
     # What ProducedEpoch needs of a producer (RemoteProducer has the same).
 
@@ -154,11 +154,13 @@ class DataProducer:
 
 class ProducedEpoch:
     """An epoch's batches from the producer, with the interface of
-    :class:`returnn_tpu.data.EpochBatches` (``num_steps``, ``limit_steps``, ``start_at``, iteration)."""
+    :class:`returnn_tpu.data.EpochBatches` (``num_steps``, ``making_seconds``, ``limit_steps``,
+    ``start_at``, iteration)."""
 
-    def __init__(self, producer: DataProducer, num_steps: int, batching):
+    def __init__(self, producer: DataProducer, num_steps: int, batching, making_seconds: float):
         self.producer = producer
         self.num_steps = num_steps
+        self.making_seconds = making_seconds  # the producer's, also when it made them ahead
         self.first_step = 0
         self.batching = batching
 
@@ -222,9 +224,9 @@ class RemoteProducer:
     def epoch(self, *, epoch: int, batching, **_request) -> ProducedEpoch:
         """Epoch ``epoch``'s batches for this worker (worker 0 asks for all workers' batches)."""
         self.send("epoch", epoch)
-        kind, num_steps = self.receive(what=f"epoch {epoch}'s batch lists")
+        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists")
         assert kind == "steps", kind
-        return ProducedEpoch(self, num_steps, batching)
+        return ProducedEpoch(self, num_steps, batching, making_seconds)
 
     def send(self, kind: str, payload):
         try:
@@ -530,9 +532,9 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
         if asked != request["epoch"]:
             raise ProducerError(f"worker {worker} asked the data producer for epoch {asked}, worker 0 for "
                                 f"{request['epoch']}")
-    results.put(("steps", batches.num_steps))
+    results.put(("steps", batches.num_steps, batches.making_seconds))
     for worker in others:
-        workers.send(worker, ("steps", batches.num_steps))
+        workers.send(worker, ("steps", batches.num_steps, batches.making_seconds))
     kind, (first_step, num_steps) = commands.recv()
     assert kind == "go", kind
     for worker in others:

@@ -34,6 +34,7 @@ class EpochStats:
     skipped_nonfinite: int = 0  # updates not applied: NaN/Inf loss or gradient (skip_nonfinite_steps)
     step_seconds: float = 0.0  # in the train steps (syncs included): RETURNN's "computing time"
     data_wait_seconds: float = 0.0  # waiting for the next batch
+    data_making_seconds: float = 0.0  # making the epoch's batch lists (a producer does it while the epoch before trains)
 
     @property
     def computing_time_share(self) -> float:
@@ -203,6 +204,10 @@ class EpochReport:
         train_prefix = ("pre" if epoch_name.startswith("pretrain") else "") + f"train epoch {epoch}"
         print(f"{train_prefix}, finished after {stats.steps} steps, {hms(stats.seconds)} elapsed "
               f"({100 * stats.computing_time_share:.1f}% computing time)", file=self.log.v3)  # RETURNN's line
+        if stats.data_wait_seconds > 0.05 * stats.seconds and stats.data_making_seconds > stats.step_seconds:
+            print(f"{train_prefix}: {stats.data_wait_seconds:.1f} s waiting for data; making its batch lists took "
+                  f"{stats.data_making_seconds:.1f} s, its steps {stats.step_seconds:.1f} s: the dataset is slower "
+                  "than the training", file=self.log.v3)
         print(f"{epoch_name} score: {format_score(train_score)} error: {format_score(train_error)} "
               f"elapsed: {hms(stats.seconds)}", file=self.log.v1)
         if dev_results:
@@ -220,7 +225,8 @@ class EpochReport:
                       sync_seconds=round(stats.sync_seconds, 4), sync_bytes=stats.sync_bytes,
                       skipped_nonfinite_updates=stats.skipped_nonfinite, threads=process_threads(),
                       computing_time_share=round(stats.computing_time_share, 4),
-                      data_wait_seconds=round(stats.data_wait_seconds, 3))
+                      data_wait_seconds=round(stats.data_wait_seconds, 3),
+                      data_making_seconds=round(stats.data_making_seconds, 3))
         record.update(extra or {})
         for name, result in dev_results.items():
             record[f"{name}_score"] = single_or_dict(result["score"])

@@ -448,6 +448,7 @@ class Trainer:
         start = time.perf_counter()
         batches = self.epoch_batches(self.train_datasets, epoch, train=True)
         batches.start_at(first_step)
+        stats.data_making_seconds = batches.making_seconds
         waited_since = start  # making the epoch's batch lists is waiting for data too
         for step, (step_batches, _) in enumerate(self.on_device(batches), start=first_step):
             self._stop_if_requested(epoch, step, stats)

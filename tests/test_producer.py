@@ -2,6 +2,7 @@
 bit; every sequence once per epoch across replicas (shard); its failure and death end training."""
 
 import os
+import re
 import signal
 import time
 
@@ -115,6 +116,34 @@ def test_a_failing_producer_stops_training_with_its_error(tmp_path):
     assert len(errors) == 1 and "failed: ValueError: corrupt feature file for sequence 25" in errors[0], \
         result.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "model.001.index")
+
+
+def test_a_dataset_slower_than_training_is_named_in_the_log(tmp_path):
+    """A ``PostprocessingDataset`` that takes 30 ms per sequence (1.1 s per epoch, more than the
+    epoch's steps): ``metrics.jsonl`` has the producer's time making each epoch, which it does
+    while the epoch before trains, and where the epoch waited for it, the log says after the
+    computing-time line that the dataset is the limit."""
+    config = PRODUCER_CONFIG.replace(
+        'train = {"class": "Task12AXDataset", "num_seqs": 37}',
+        'import time\n'
+        'def _slow(data, **_):\n'
+        '    time.sleep(0.03)\n'
+        '    return data\n'
+        'train = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 37},'
+        ' "map_seq": _slow}')
+    (tmp_path / "train.config").write_text(config)
+    result = run_cli(["train.config", "++log", "out/train.log"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from test_cli import read_metrics
+
+    metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert len(metrics) == 3 and all(1.1 < m["data_making_seconds"] < 5 for m in metrics), metrics
+    # Epoch 2 was made during epoch 1's first steps (tracing); epoch 3 had only epoch 2's 0.1 s.
+    assert metrics[2]["data_wait_seconds"] > 0.5, metrics
+    log = (tmp_path / "out" / "train.log").read_text()
+    assert re.search(r"train epoch 3: \d+\.\d s waiting for data; making its batch lists took 1\.\d s, "
+                     r"its steps 0\.\d s: the dataset is slower than the training", log), log[-3000:]
+    assert "train epoch 1: " not in log  # waiting for the producer to start, not for the dataset
 
 
 def _assert_same_batches(ours, theirs):
