@@ -23,12 +23,13 @@ producer per worker.
 ``--precomputed`` writes the features into the file and reads it with ``HDFDataset`` alone, which
 knows the lengths without reading: each worker's own producer then reads only its own part.
 
-    python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256] [--workers N] [--precomputed]
+    python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256 ...] [--workers N] [--precomputed]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -108,22 +109,33 @@ def write_hdf(path: str, num_seqs: int, dim: int):
     writer.close()
 
 
-def run_config(work: str, index: int, producer: str, command, args) -> dict:
-    """Trains the benchmark's config with ``data_producer = producer`` by ``command`` in a folder of its own."""
-    folder = os.path.join(work, f"run{index}")
+def run_config(work: str, name: str, producer: str, command, units: int, args) -> dict:
+    """Trains the benchmark's config with ``data_producer = producer`` by ``command`` in a folder of
+    its own; returnn-tpu's runs add the later epochs' mean seconds making the batch lists and in
+    steps, from ``metrics.jsonl``."""
+    folder = tempfile.mkdtemp(dir=work)
     os.makedirs(os.path.join(folder, "out"))
     with open(os.path.join(folder, "train.config"), "w") as f:
         f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=os.path.join(work, "signal.hdf"),
-                              epochs=args.epochs, producer=producer, units=args.units, precomputed=args.precomputed,
+                              epochs=args.epochs, producer=producer, units=units, precomputed=args.precomputed,
                               strategy="local_sgd" if args.workers > 1 else "single"))
-    return timed_run(command + ["train.config"], folder, os.path.join(folder, "out", "train.log"), args.epochs)
+    row = timed_run(command + ["train.config"], folder, os.path.join(folder, "out", "train.log"), args.epochs)
+    row.update(name=name, making="", steps="")
+    metrics_path = os.path.join(folder, "out", "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            later = [json.loads(line) for line in f][1:]
+        row["making"] = f"{sum(m['data_making_seconds'] for m in later) / len(later):.2f}"
+        row["steps"] = f"{sum(m['seconds'] * m['computing_time_share'] for m in later) / len(later):.2f}"
+    return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, default=1500)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--units", type=int, default=256, help="width of the two hidden layers (the step's cost)")
+    parser.add_argument("--units", type=int, nargs="+", default=[256],
+                        help="width of the two hidden layers (the step's cost); several: a table for each")
     parser.add_argument("--workers", type=int, default=1, help="> 1: producer per worker against one on worker 0")
     parser.add_argument("--precomputed", action="store_true",
                         help="the HDF file holds the features (read directly, no PostprocessingDataset)")
@@ -139,19 +151,21 @@ def main():
         runs = [("plain RETURNN (python -m returnn)", "process", [sys.executable, "-m", "returnn"]),
                 ("returnn-tpu, data on a thread", "thread", ours),
                 ("returnn-tpu, producer process", "process", ours)]
+    made = "features read from the file" if args.precomputed else "features made while reading"
     try:
-        rows = [dict(run_config(work, index, producer, command, args), name=name)
-                for index, (name, producer, command) in enumerate(runs)]
+        for units in args.units:
+            rows = [run_config(work, name, producer, command, units, args) for name, producer, command in runs]
+            base = rows[0]
+            print(f"{units} units, epochs 2-{args.epochs} of {args.seqs} sequences, {made} "
+                  "(mean over those epochs; steps/s of worker 0; making: the epoch's batch lists, s):")
+            print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'making s':>9s} "
+                  f"{'steps s':>8s} {'whole run':>10s}")
+            for row in rows:
+                print(f"{row['name']:38s} {row['share']:14.1f}% {row['steps_per_second']:8.2f} "
+                      f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['making']:>9s} "
+                      f"{row['steps']:>8s} {row['wall']:9.1f}s", flush=True)
     finally:
         shutil.rmtree(work)  # the HDF file is large
-    base = rows[0]
-    made = "features read from the file" if args.precomputed else "features made while reading"
-    print(f"{args.units} units, epochs 2-{args.epochs} of {args.seqs} sequences, {made} "
-          "(mean over those epochs; steps/s of worker 0):")
-    print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'whole run':>10s}")
-    for row in rows:
-        print(f"{row['name']:38s} {row['share']:14.1f}% {row['steps_per_second']:8.2f} "
-              f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['wall']:9.1f}s")
 
 
 if __name__ == "__main__":
