@@ -34,6 +34,8 @@ from returnn_tpu.startup import check_supported
 from returnn_tpu.sync import SyncDue, SyncSchedule, make_averaging
 from returnn_tpu.workers import WorkerCollectives
 
+FINITE_INF_VALUE = 1e30  # RETURNN's ``inf_value`` with XLA buckets: in float32 and bfloat16 range
+
 class NonFiniteScore(RuntimeError):
     """The epoch's train score is NaN or Inf (RETURNN stops then, unless stop_on_nonfinite_train_score is off)."""
 
@@ -93,6 +95,12 @@ class Trainer:
         )
         if not self.train_datasets:
             raise ConfigError("config option 'train' (the training dataset) is missing")
+        if options.jit_compile and not config.has("inf_value"):
+            # Buckets fill a batch with empty sequences. RETURNN masks attention energies with
+            # -inf_value, which over no frames makes the softmax (and the gradient) NaN; a finite
+            # mask gives those rows finite weights, and real sequences the same ones (exp underflows
+            # to 0 alike).
+            config.set("inf_value", FINITE_INF_VALUE)
         self._inspect_network()
         self.bucket_boundaries = None
         if options.jit_compile:

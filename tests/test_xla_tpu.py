@@ -81,6 +81,28 @@ def test_padding_is_masked(tmp_path, rng):
     assert loss(padded) == pytest.approx(loss(batch), rel=1e-5)
 
 
+def test_empty_padding_sequences_keep_attention_finite(tmp_path, rng):
+    """A bucket's last batch is filled with empty sequences. RETURNN masks attention energies with
+    -inf, which over no frames makes the softmax, and so the gradient, NaN; with XLA the trainer
+    masks with a finite value: the step on the padded batch is the step on the batch itself."""
+    from returnn_tpu.data import BucketBatching
+
+    plain = make_trainer(tmp_path / "plain", LAYER_NETWORKS["self_attention"], strategy="single", num_replicas=1)
+    jit = make_trainer(tmp_path / "jit", LAYER_NETWORKS["self_attention"], strategy="single", num_replicas=1,
+                       distribute_options={"jit_compile": True, "bucket_boundaries": [16]})
+    _same_start(plain, jit, rng)
+    (batch,) = random_step_batches(rng, 1, batch=3, time=9)
+    bucketing = BucketBatching(jit.config, [16], "data")
+    bucketing.batch_size, bucketing.max_seqs = 80, 5  # pad to 4 sequences, the last one empty
+    padded = bucketing.pad(batch)
+    assert list(padded["size:data:0"][3:]) == [0]
+    plain.train_step([batch], 0.05)
+    jit.train_step([padded], 0.05)
+    for name, var in jit.builder.variables.by_name.items():
+        numpy.testing.assert_allclose(var.numpy(), plain.builder.variables.by_name[name].numpy(), rtol=1e-4,
+                                      atol=1e-6, err_msg=name)
+
+
 def test_local_sgd_tpu_step_logic_equals_local_sgd(tmp_path):
     """The in-step sync (step-counter branch, cross-replica mean) on logical CPU devices."""
     options = {"param_sync_step": 3}
