@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,7 +151,8 @@ distribute_options = {options!r}
 """
 
 
-def cli_epochs(network: dict, jit: bool, num_seqs: int, epochs: int, folder: str, cache_of: str = None) -> list:
+def cli_epochs(network: dict, jit: bool, num_seqs: int, epochs: int, folder: str,
+               cache_of: Optional[str] = None) -> list:
     """``returnn-tpu`` trains ``network`` (with XLA and buckets, or RETURNN's batches), with the
     persistent XLA cache of the run in ``cache_of`` if given (the next run of a config); the
     records of ``metrics.jsonl``, one per epoch."""

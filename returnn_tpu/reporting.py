@@ -34,7 +34,7 @@ class EpochStats:
     skipped_nonfinite: int = 0  # updates not applied: NaN/Inf loss or gradient (skip_nonfinite_steps)
     step_seconds: float = 0.0  # in the train steps (syncs included): RETURNN's "computing time"
     data_wait_seconds: float = 0.0  # waiting for the next batch
-    data_making_seconds: float = 0.0  # making the epoch's batch lists (a producer does it while the epoch before trains)
+    data_making_seconds: float = 0.0  # making the batch lists (a producer does so while the epoch before trains)
 
     @property
     def computing_time_share(self) -> float:

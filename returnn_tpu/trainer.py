@@ -36,6 +36,7 @@ from returnn_tpu.workers import WorkerCollectives
 
 FINITE_INF_VALUE = 1e30  # RETURNN's ``inf_value`` with XLA buckets: in float32 and bfloat16 range
 
+
 class NonFiniteScore(RuntimeError):
     """The epoch's train score is NaN or Inf (RETURNN stops then, unless stop_on_nonfinite_train_score is off)."""
 
