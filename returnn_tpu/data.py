@@ -102,8 +102,10 @@ class BucketBatching(BatchingOptions):
     boundary ``L`` makes batches of as many sequences as fit in ``batch_size`` frames (and
     ``max_seqs``), rounded down to a multiple of 8, or below 8 to a power of two: few distinct
     sizes, those TPUs tile well, and on CPU the compiled step gains most with more sequences
-    (FACTS.md, "XLA shapes"). Every batch is padded to its bucket's length and sequence count; padded sequences have length 0 and padded frames lie past
-    each sequence's length, so RETURNN masks both. The step thus sees one shape per bucket.
+    (FACTS.md, "XLA shapes"). Every batch is padded to its bucket's length and sequence count;
+    padded sequences have length 0 and padded frames lie past each sequence's length, so RETURNN
+    masks both (the trainer makes RETURNN's attention mask finite for the empty ones). The step
+    thus sees one shape per bucket.
     Batches are emitted in the order of their first sequence (datasets load in increasing order).
     """
 
@@ -169,7 +171,6 @@ class BucketBatching(BatchingOptions):
         for name in COUNTERS:
             setattr(self, name, 0)
         return counters
-
 
 
 def _batch_size_rule(count: int, *, up: bool) -> int:

@@ -60,8 +60,6 @@ def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **c
 
 def random_step_batches(rng, num_replicas, *, batch=3, time=7, dim=9, classes=2):
     """One padded 12AX-shaped batch per replica, with unequal sequence lengths."""
-    import numpy
-
     step = []
     for _ in range(num_replicas):
         lengths = rng.randint(2, time + 1, size=(batch,)).astype("int32")

@@ -4,7 +4,7 @@ import numpy
 import pytest
 import tensorflow as tf
 
-from conftest import make_trainer, random_step_batches, replica_values
+from conftest import make_trainer, random_step_batches
 
 LAYER_NETWORKS = {
     "linear": {

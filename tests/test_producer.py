@@ -6,7 +6,6 @@ import re
 import signal
 import time
 
-import numpy
 import pytest
 
 from conftest import run_cli

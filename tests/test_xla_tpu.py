@@ -6,7 +6,6 @@ import shutil
 
 import numpy
 import pytest
-import tensorflow as tf
 
 from conftest import make_trainer, random_step_batches, replica_values, run_cli
 from test_bridge import LAYER_NETWORKS
