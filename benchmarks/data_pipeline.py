@@ -111,8 +111,9 @@ def write_hdf(path: str, num_seqs: int, dim: int):
 
 def run_config(work: str, name: str, producer: str, command, units: int, args) -> dict:
     """Trains the benchmark's config with ``data_producer = producer`` by ``command`` in a folder of
-    its own; returnn-tpu's runs add the later epochs' mean seconds making the batch lists and in
-    steps, from ``metrics.jsonl``."""
+    its own; returnn-tpu's runs add the later epochs' mean seconds making the batch lists, in
+    steps, and between two epochs' training (the evaluation and checkpoint of the epoch before),
+    from ``metrics.jsonl``."""
     folder = tempfile.mkdtemp(dir=work)
     os.makedirs(os.path.join(folder, "out"))
     with open(os.path.join(folder, "train.config"), "w") as f:
@@ -120,13 +121,14 @@ def run_config(work: str, name: str, producer: str, command, units: int, args) -
                               epochs=args.epochs, producer=producer, units=units, precomputed=args.precomputed,
                               strategy="local_sgd" if args.workers > 1 else "single"))
     row = timed_run(command + ["train.config"], folder, os.path.join(folder, "out", "train.log"), args.epochs)
-    row.update(name=name, making="", steps="")
+    row.update(name=name, making="", steps="", between="")
     metrics_path = os.path.join(folder, "out", "metrics.jsonl")
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
             later = [json.loads(line) for line in f][1:]
         row["making"] = f"{sum(m['data_making_seconds'] for m in later) / len(later):.2f}"
         row["steps"] = f"{sum(m['seconds'] * m['computing_time_share'] for m in later) / len(later):.2f}"
+        row["between"] = f"{row['epoch_seconds'] - sum(m['seconds'] for m in later) / len(later):.2f}"
     return row
 
 
@@ -157,13 +159,14 @@ def main():
             rows = [run_config(work, name, producer, command, units, args) for name, producer, command in runs]
             base = rows[0]
             print(f"{units} units, epochs 2-{args.epochs} of {args.seqs} sequences, {made} "
-                  "(mean over those epochs; steps/s of worker 0; making: the epoch's batch lists, s):")
+                  "(mean over those epochs; steps/s of worker 0; making: the epoch's batch lists, s; between: "
+                  "from one epoch's training to the next, s):")
             print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'making s':>9s} "
-                  f"{'steps s':>8s} {'whole run':>10s}")
+                  f"{'steps s':>8s} {'between s':>10s} {'whole run':>10s}")
             for row in rows:
                 print(f"{row['name']:38s} {row['share']:14.1f}% {row['steps_per_second']:8.2f} "
                       f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['making']:>9s} "
-                      f"{row['steps']:>8s} {row['wall']:9.1f}s", flush=True)
+                      f"{row['steps']:>8s} {row['between']:>10s} {row['wall']:9.1f}s", flush=True)
     finally:
         shutil.rmtree(work)  # the HDF file is large
 
