@@ -15,7 +15,7 @@ import glob
 import os
 import re
 import shutil
-from typing import Callable, Dict, Mapping, NamedTuple, Optional
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional
 
 import numpy
 import tensorflow as tf
@@ -159,6 +159,11 @@ def load(prefix: str) -> Dict[str, numpy.ndarray]:
     """All tensors of the bundle ``prefix`` by name."""
     reader = tf.train.load_checkpoint(prefix)
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def variable_names(prefix: str) -> List[str]:
+    """The names of the tensors in the bundle ``prefix`` (without reading their values)."""
+    return list(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
 
 
 def restore(prefix: str, variables: Mapping[str, tf.Variable], *, partial: bool = False, log_file=None,

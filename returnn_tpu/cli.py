@@ -12,6 +12,7 @@ a step boundary.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -19,17 +20,87 @@ from typing import List, Optional
 
 from returnn_tpu.errors import ConfigError
 
-USAGE = "usage: returnn-tpu [--local-workers N [--max-restarts K]] CONFIG [++key value ...] | returnn-tpu --check"
+ENVIRONMENT = """\
+environment variables:
+  TF_CONFIG                  TensorFlow's cluster spec (JSON): this process is one worker of that cluster
+  OMPI_COMM_WORLD_RANK, ...  set by mpirun: the workers find each other over MPI (cluster_resolver "mpi")
+  JOB_ID, PE_HOSTFILE        set by SGE (qsub -pe ...): the job's hosts and ports (cluster_resolver "sge")
+  TPU_NAME, COLAB_TPU_ADDR   the Cloud TPU to use (distribute_strategy "tpu" or "local_sgd_tpu")
+  RETURNN_TPU_SHARE_NETWORK  =1: --local-workers runs its workers in this machine's network, not an isolated one
+  DISABLE_CUDA               =1: RETURNN builds its native ops without CUDA (set when TensorFlow has no GPU)
+  TF_XLA_FLAGS               TensorFlow's XLA flags (with jit_compile, a persistent cache beside the model is added)
+
+exit status: 0 success; 2 bad input (one line naming the option, nothing written); 1 a failure during
+training; 128 + N stopped by signal N at a step boundary (the combined model saved: run the same command)."""
 
 
-def split_args(argv: List[str]):
-    """``CONFIG [++key value ...]`` -> ``(CONFIG, overrides)``; a usage error otherwise."""
-    if not argv or argv[0].startswith(("-", "+")):
-        raise ConfigError(USAGE)
-    filename, overrides = argv[0], argv[1:]
-    if not os.path.isfile(filename):
-        raise ConfigError(f"config file {filename!r} does not exist")
-    return filename, overrides
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are this command's one-line error (exit status 2), not usage + error."""
+
+    def error(self, message):
+        raise ConfigError(f"{message}; see returnn-tpu --help")
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line: flags of returnn-tpu itself, then RETURNN's ``CONFIG [++key value ...]``."""
+    parser = _Parser(
+        prog="returnn-tpu",
+        usage="returnn-tpu [--local-workers N [--max-restarts K]] CONFIG [++key value ...]\n"
+              "       returnn-tpu --check",
+        description="Train a RETURNN TensorFlow config on several devices, machines or TPU cores through\n"
+                    "tf.distribute, as RETURNN's rnn.py would (task 'train'); other tasks go to plain RETURNN.\n"
+                    "The config chooses how: distribute_strategy (default 'local_sgd') and distribute_options.",
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="a RETURNN config file")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, metavar="++key value",
+                        help="set config option key to value, as with RETURNN (e.g. ++num_epochs 3)")
+    parser.add_argument("--local-workers", type=int, metavar="N",
+                        help="run N workers of one cluster on 127.0.0.1 (in a network namespace of their own)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="with --local-workers: restart all workers from the newest checkpoint up to K times "
+                             "after a failure (default 0)")
+    parser.add_argument("--check", action="store_true",
+                        help="run every strategy this machine's devices allow on a tiny network and print a table")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    return parser
+
+
+def _version() -> str:
+    """This package's version and those of what it runs on (without importing them)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    found = [f"{name} {of(name)}" for name in ("returnn", "tensorflow", "tensorflow-cpu", "tensorflow-tpu") if of(name)]
+    return f"{of('returnn_tpu') or 'unknown'} ({', '.join(found)})"
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    """The parsed command line; :class:`ConfigError` for a bad one."""
+    args = argument_parser().parse_args(argv)
+    if args.check:
+        if args.config or args.local_workers is not None:
+            raise ConfigError("--check takes no config and no other option; see returnn-tpu --help")
+        return args
+    if args.local_workers is not None and args.local_workers < 1:
+        raise ConfigError(f"--local-workers needs a number >= 1, got {args.local_workers}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts needs a number >= 0, got {args.max_restarts}")
+    if args.max_restarts and args.local_workers is None:
+        raise ConfigError("--max-restarts needs --local-workers")
+    if not args.config:
+        raise ConfigError("give a RETURNN config file; see returnn-tpu --help")
+    if os.path.isdir(args.config):
+        raise ConfigError(f"config file {args.config!r} is a folder, not a config file")
+    if not os.path.isfile(args.config):
+        raise ConfigError(f"config file {args.config!r} does not exist")
+    return args
 
 
 def run_plain_returnn(config, filename: str, overrides: List[str]):
@@ -65,33 +136,30 @@ def set_worker_log(config, worker_index: int):
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    if argv == ["--check"]:
+    try:
+        args = parse_args(argv)
+    except ConfigError as exc:
+        print(f"returnn-tpu: error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
         from returnn_tpu.selfcheck import check
 
         return check()
-    if argv and argv[0] == "--local-workers":
-        restarts = 0
-        if len(argv) > 3 and argv[2] == "--max-restarts":
-            if not argv[3].isdigit():
-                print(f"returnn-tpu: error: --max-restarts needs a number >= 0; {USAGE}", file=sys.stderr)
-                return 2
-            restarts = int(argv[3])
-            argv = argv[:2] + argv[4:]
-        if len(argv) < 3 or not argv[1].isdigit() or int(argv[1]) < 1:
-            print(f"returnn-tpu: error: --local-workers needs a number >= 1 and a config; {USAGE}", file=sys.stderr)
-            return 2
+    if args.local_workers is not None:
         from returnn_tpu.launcher import run_local_workers
 
-        return run_local_workers(int(argv[1]), argv[2:], max_restarts=restarts)
+        return run_local_workers(args.local_workers, [args.config, *args.overrides], max_restarts=args.max_restarts)
+    return train(args.config, args.overrides)
+
+
+def train(filename: str, overrides: List[str]) -> int:
+    """Runs the config's task in this process (training, or plain RETURNN for other tasks);
+    returns the exit status."""
     from returnn_tpu.startup import TASKS, check_config, load_config
 
     cluster = None
-    new_log_paths: List[str] = []
+    new_paths: List[str] = []
     try:
-        filename, overrides = split_args(argv)
         config = load_config(filename, overrides)
         task = config.value("task", "train")
         if task not in TASKS:
@@ -117,14 +185,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             check_xla_compatible(config.typed_value("network") or {})
         ignored = apply_session_options(config)
         cluster = resolve_cluster(options.cluster_resolver) if options.strategy in MULTI_WORKER_STRATEGIES else None
-        if cluster and cluster.num_workers > 1 and options.num_replicas and not _has_gpus():
-            raise ConfigError("distribute_options['num_replicas'] cannot be used with several CPU workers (each has "
-                              "one replica); remove it, or run on GPUs")
+        if cluster and cluster.num_workers > 1 and (options.num_replicas or 1) != 1 and not _has_gpus():
+            raise ConfigError(f"distribute_options['num_replicas'] must be 1 (or left out) with several CPU workers "
+                              f"(each has one replica), got {options.num_replicas}; or run on GPUs")
         if cluster and not cluster.is_chief:
             set_worker_log(config, cluster.worker_index)
-        new_log_paths = _new_log_paths(config)
-        for path in new_log_paths:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+        new_paths = _new_paths(config)
+        for path in config.list("log", []):
+            if path not in ("stdout", "|"):
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         import returnn.__main__ as rnn
 
         rnn.init_log()
@@ -136,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             signal.signal(signum, trainer.request_stop)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
-        _remove_new_paths(new_log_paths)  # bad input found after the log started (e.g. the data's dims)
+        _remove_new_paths(new_paths)  # bad input found after the log started (e.g. the data's dims)
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
@@ -144,14 +213,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _new_log_paths(config) -> List[str]:
-    """The log files of ``config`` that do not exist yet, and the folders above them that do not
-    exist either (files first, each folder after the ones inside it)."""
+def _new_paths(config) -> List[str]:
+    """The log files of ``config`` that do not exist yet, and the folders of its logs, model and
+    learning-rate file that do not exist either (files first, each folder after the ones inside
+    it): what is removed again when bad input is found after the start."""
     new = []
-    for path in config.list("log", []):
-        if path in ("stdout", "|"):
-            continue
-        path = os.path.abspath(path)
+    logs = [os.path.abspath(path) for path in config.list("log", []) if path not in ("stdout", "|")]
+    others = [os.path.dirname(os.path.abspath(config.value(key, "") or "."))
+              for key in ("model", "learning_rate_file") if config.value(key, None)]
+    for path in logs + others:
         while not os.path.exists(path) and path not in new:
             new.append(path)
             path = os.path.dirname(path)

@@ -29,6 +29,7 @@ the step function directly.
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -180,11 +181,26 @@ def _batch_size_rule(count: int, *, up: bool) -> int:
     return 1 << ((count - 1).bit_length() if up else count.bit_length() - 1)
 
 
+def init_seq_order(dataset, epoch: int):
+    """RETURNN's ``init_seq_order``; an assertion RETURNN's dataset code makes there (its check of
+    the dataset's options, e.g. ``num_seqs > 0``) is bad input: one line naming the dataset and
+    the failed check."""
+    try:
+        dataset.init_seq_order(epoch=epoch)
+    except AssertionError as exc:
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        check = f"{where.line} ({os.path.basename(where.filename)}:{where.lineno})" if where.line else str(exc)
+        raise ConfigError(f"{dataset.name}: RETURNN's {type(dataset).__name__} refuses its options at epoch {epoch}: "
+                          f"{check}{': ' + str(exc) if str(exc) and where.line else ''}") from None
+
+
 def default_bucket_boundaries(dataset, key: str, num_buckets: int = 4, max_seqs: int = 2000) -> List[int]:
     """Bucket boundaries from the length statistics of (up to ``max_seqs`` of) ``dataset``:
     the quantiles 1/n, 2/n, ..., 1 of the lengths of ``key``, rounded up to powers of two (at
     least 8), so that there are few shapes (those that coincide are one)."""
-    dataset.init_seq_order(epoch=1)
+    init_seq_order(dataset, 1)
     lengths = []
     for seq_idx, t_start, t_end in dataset.iterate_seqs(recurrent_net=True, used_data_keys=[key]):
         lengths.append((t_end - t_start)[key])
@@ -316,7 +332,7 @@ class EpochBatches:
         self.batch_lists = []
         start = time.perf_counter()
         for dataset in self.datasets:
-            dataset.init_seq_order(epoch=epoch)
+            init_seq_order(dataset, epoch)
             self.batch_lists.append(
                 batching.generate(dataset, recurrent=recurrent, used_data_keys=set(self.data_keys), train=train)
             )

@@ -22,7 +22,8 @@ cluster spec (not on every interface), on a port it picks, which worker 0 tells 
 through the workers' collective, together with a random key that every connection must prove
 (``multiprocessing.connection``'s HMAC challenge) before anything is unpickled.
 
-A producer that raises ends training with its error (the last line of its traceback); one
+A producer that raises ends training with its error (the last line of its traceback; bad input
+it finds, such as a dataset that refuses its options, is the one-line error of bad input); one
 that dies (killed, out of memory) is found within :data:`LIVENESS_SECONDS`, a remote one within
 :data:`REMOTE_SILENCE_SECONDS` (it sends a heartbeat while it has nothing else to send). An epoch
 never ends short: the trainer expects exactly the number of steps it was told.
@@ -57,6 +58,18 @@ CONNECT_SECONDS = 120.0  # how long worker 0's producer waits for the other work
 
 class ProducerError(RuntimeError):
     """The dataset producer failed or died."""
+
+
+def raise_error(message: tuple, producer: str):
+    """Raises the error of an ``("error", text, bad_input)`` message: bad input that the producer
+    found as the :class:`ConfigError` it was (one line, exit status 2), a failure as
+    :class:`ProducerError`."""
+    from returnn_tpu.errors import ConfigError
+
+    _, text, bad_input = message
+    if bad_input:
+        raise ConfigError(text)
+    raise ProducerError(f"{producer} failed: {text}")
 
 
 class DataProducer:
@@ -132,7 +145,7 @@ class DataProducer:
                           file=sys.stderr, flush=True)
                 continue
             if message[0] == "error":
-                raise ProducerError(f"data producer (pid {self.pid}) failed: {message[1]}")
+                raise_error(message, f"data producer (pid {self.pid})")
             return message
 
     def close(self):
@@ -265,7 +278,7 @@ class RemoteProducer:
             if message[0] == "alive":
                 continue
             if message[0] == "error":
-                raise ProducerError(f"data producer of worker 0 failed: {message[1]}")
+                raise_error(message, "data producer of worker 0")
             return message
 
     def close(self):
@@ -438,8 +451,13 @@ def _serve(setup: dict, commands, results):
     except (EOFError, KeyboardInterrupt):
         return  # the trainer is gone
     except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
-        lines = traceback.format_exception_only(type(exc), exc)
-        error = ("error", lines[-1].strip() if lines else type(exc).__name__)
+        from returnn_tpu.errors import ConfigError
+
+        if isinstance(exc, ConfigError):  # bad input: the trainer reports it as its own
+            error = ("error", str(exc), True)
+        else:
+            lines = traceback.format_exception_only(type(exc), exc)
+            error = ("error", lines[-1].strip() if lines else type(exc).__name__, False)
         results.put(error)
         if workers:
             try:

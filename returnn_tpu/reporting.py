@@ -191,8 +191,11 @@ class EpochReport:
         self._train_writer = None
 
     def record(self, epoch: int, epoch_name: str, scores: "ScoreAccumulator", dev_results: Dict[str, dict],
-               stats: "EpochStats", learning_rate: float, global_step: int, extra: Optional[dict] = None):
-        """Logs and writes one epoch; ``dev_results`` maps a dataset name to its score and error dicts."""
+               stats: "EpochStats", learning_rate: float, global_step: int, first_global_step: int,
+               extra: Optional[dict] = None):
+        """Logs and writes one epoch; ``dev_results`` maps a dataset name to its score and error dicts.
+        ``global_step`` counts updates at the end of the epoch, ``first_global_step`` RETURNN's global
+        train step (batches) at its start."""
         from returnn.util.basic import hms
 
         train_score, train_error = scores.score(), scores.error()
@@ -201,6 +204,10 @@ class EpochReport:
             errors[f"{name}_score"] = result["score"]
             errors[f"{name}_error"] = result["error"]
         self.learning_rate_control.set_epoch_error(epoch, {k: v for k, v in errors.items() if v})
+        # RETURNN's ":meta:" entries of the epoch (its engine's names; the global step at the start).
+        self.learning_rate_control.epoch_data[epoch].meta.update(
+            {"global_train_step": first_global_step, "effective_learning_rate": learning_rate,
+             "epoch_num_train_steps": stats.steps, "epoch_train_time_secs": round(stats.seconds)})
         train_prefix = ("pre" if epoch_name.startswith("pretrain") else "") + f"train epoch {epoch}"
         print(f"{train_prefix}, finished after {stats.steps} steps, {hms(stats.seconds)} elapsed "
               f"({100 * stats.computing_time_share:.1f}% computing time)", file=self.log.v3)  # RETURNN's line

@@ -470,7 +470,7 @@ class NetworkBuilder:
         else:  # the batch info of extern_data_template is a stand-in, which its dims refer to
             extern_data.get_batch_info().dim = batch
             extern_data.init_batch_info()
-        with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator):
+        with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator), _layer_templates_unlogged():
             net = TFNetwork(
                 config=self.config,
                 extern_data=extern_data,
@@ -488,6 +488,21 @@ class NetworkBuilder:
             # RETURNN reads the TRAINABLE_VARIABLES collection here, so ask while it is ours.
             params = sorted((v.name.split(":")[0], v) for v in net.get_trainable_params())
         return net, params
+
+
+@contextlib.contextmanager
+def _layer_templates_unlogged():
+    """RETURNN's log below verbosity 2 off: the layer templates (``layer root/'fw0': [B,T,F]``) that
+    it prints at every construction, here once per replica and trace. :meth:`NetworkBuilder.inspect`
+    builds each network once with the log on, so the log has them once, as plain RETURNN's has."""
+    from returnn.log import StreamDummy, log
+
+    saved = log.v3, log.v4, log.v5
+    log.v3 = log.v4 = log.v5 = StreamDummy()
+    try:
+        yield
+    finally:
+        log.v3, log.v4, log.v5 = saved
 
 
 def _has_sizes(dim) -> bool:

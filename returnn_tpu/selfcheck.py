@@ -1,8 +1,8 @@
 """``returnn-tpu --check``: what this machine's devices can run, in one table.
 
 Lists the devices TensorFlow sees, then runs a few training steps of a built-in tiny network
-(an LSTM on RETURNN's 12AX task) with every strategy that can run here, each in a fresh
-process (device set-up happens once per process): ``single``, ``mirrored`` and ``local_sgd``,
+(an LSTM on RETURNN's 12AX task) with every strategy that can run here, one after the other in
+one fresh process (the CPU split into logical devices once), each row printed as it ends: ``single``, ``mirrored`` and ``local_sgd``,
 with and without XLA; ``local_sgd_tpu``'s in-step program on local devices; ``tpu`` and
 ``local_sgd_tpu`` where a TPU is found; and two local workers (``--local-workers 2``). For each:
 devices, median step time, whether the replicas' parameters are equal after a sync (for
@@ -20,8 +20,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 STEPS = 12  # train steps per row
 TIMEOUT_SECONDS = 600  # per row
@@ -42,7 +43,8 @@ TINY_CONFIG = {  # an LSTM on RETURNN's 12AX task; local SGD for the two-worker 
     "num_epochs": 1,
     "log_verbosity": 3,
     "distribute_strategy": "local_sgd",
-    "distribute_options": {"param_sync_step": 3, "startup_timeout": 120},
+    # The data on a thread: the check is about devices and strategies, not the producer process.
+    "distribute_options": {"param_sync_step": 3, "startup_timeout": 120, "data_producer": "thread"},
 }
 
 
@@ -116,18 +118,50 @@ def run_row(strategy: str, options: dict) -> dict:
             "step_seconds": statistics.median(times[1:] or times), "max_difference": difference}
 
 
-def _row_in_subprocess(strategy: str, options: dict) -> dict:
-    command = [sys.executable, "-m", "returnn_tpu.selfcheck", "--row", strategy, json.dumps(options)]
+def run_rows(selected: List[tuple], out=sys.stdout):
+    """In this (fresh) process: the devices TensorFlow sees, then each row of ``selected`` (label,
+    strategy, options), one JSON line each as it ends. The CPU is split into the most logical
+    devices a row asks for before TensorFlow starts; every row then runs on the first of them."""
+    import tensorflow as tf
+
+    from returnn_tpu.strategies.devices import local_replica_devices
+
+    print(json.dumps({"devices": [str(d) for d in tf.config.list_physical_devices()]}), file=out, flush=True)
+    local_replica_devices(max(options.get("num_replicas", 1) for _, _, options in selected))
+    for label, strategy, options in selected:
+        start = time.perf_counter()
+        try:
+            result = run_row(strategy, options)
+        except Exception as exc:  # noqa: BLE001 (a failing row is a row of the table, not the end of the check)
+            result = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+        result.update(label=label, seconds=time.perf_counter() - start)
+        print(json.dumps(result), file=out, flush=True)
+
+
+def _rows_in_subprocess(selected: List[tuple]) -> Iterator[dict]:
+    """:func:`run_rows` in a fresh process: the device list first, then one result per row as it
+    ends; rows not reached (the process died or hung) are failures naming why."""
+    command = [sys.executable, "-m", "returnn_tpu.selfcheck", "--rows", json.dumps(selected)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    timer = threading.Timer(TIMEOUT_SECONDS * len(selected), proc.kill)
+    timer.start()
+    done = 0
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {TIMEOUT_SECONDS} s"}
-    found = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not found:
-        errors = [line for line in result.stderr.splitlines() if line.strip()]
-        return {"error": errors[-1] if errors else f"exit status {result.returncode}"}
-    return json.loads(found[-1])
+        for line in proc.stdout:
+            if line.startswith("{"):
+                result = json.loads(line)
+                done += "label" in result
+                yield result
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    errors = [line for line in proc.stderr.read().splitlines() if line.strip()]
+    why = errors[-1] if errors else f"exit status {proc.returncode}"
+    for label, _, _ in selected[done:]:
+        yield {"label": label, "error": f"not run: the check's process ended ({why})"}
 
 
 def _two_local_workers() -> dict:
@@ -152,37 +186,46 @@ def _two_local_workers() -> dict:
 
 
 def check(out=sys.stdout) -> int:
-    """Prints the device list and the table; returns the exit status."""
-    listed = subprocess.run([sys.executable, "-c", "import tensorflow as tf; "
-                             "print('\\n'.join(str(d) for d in tf.config.list_physical_devices()))"],
-                            capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    print("devices TensorFlow sees:", file=out)
-    for line in listed.stdout.splitlines():
-        print(f"  {line}", file=out)
-    if not tpu_present():
-        print("no TPU found: the rows 'tpu' and 'local_sgd_tpu' are left out", file=out)
-    print(f"\n{'strategy':40s} {'devices':>8s} {'step time':>10s} {'replicas equal':>15s}  result", file=out, flush=True)
-    failed = 0
-    results = [(label, _row_in_subprocess(strategy, options)) for label, strategy, options in rows()]
-    results.append(("two local workers (--local-workers 2)", _two_local_workers()))
-    for label, result in results:
-        if "error" in result:
-            failed += 1
-            print(f"{label:40s} {'':>8s} {'':>10s} {'':>15s}  FAIL: {result['error']}", file=out)
+    """Prints the device list and the table, each row as it ends; returns the exit status."""
+    selected = rows()
+    print(f"running {len(selected) + 1} rows of {STEPS} steps each (one process for the rows on this machine's "
+          "devices, then two local workers)", file=out, flush=True)
+    failed = total = 0
+    for result in _rows_in_subprocess(selected):
+        if "label" not in result:
+            print("devices TensorFlow sees:", file=out)
+            for device in result["devices"]:
+                print(f"  {device}", file=out)
+            if not tpu_present():
+                print("no TPU found: the rows 'tpu' and 'local_sgd_tpu' are left out", file=out)
+            print(f"\n{'strategy':40s} {'devices':>8s} {'step time':>10s} {'replicas equal':>15s} {'took':>6s}  result",
+                  file=out, flush=True)
             continue
-        equal = result["max_difference"] <= 1e-5
-        failed += not equal
-        print(f"{label:40s} {len(result['devices']):8d} {1000 * result['step_seconds']:8.1f}ms "
-              f"{'yes' if equal else 'NO (%.2g)' % result['max_difference']:>15s}  {'pass' if equal else 'FAIL'}",
-              file=out, flush=True)
-    print(f"\n{len(results) - failed} of {len(results)} passed", file=out)
+        total += 1
+        failed += not _print_row(result, out)
+    total += 1
+    failed += not _print_row(dict(_two_local_workers(), label="two local workers (--local-workers 2)"), out)
+    print(f"\n{total - failed} of {total} passed", file=out)
     return 1 if failed else 0
+
+
+def _print_row(result: dict, out) -> bool:
+    """One row of the table; whether it passed."""
+    label, took = result["label"], f"{result.get('seconds', 0):5.0f}s"
+    if "error" in result:
+        print(f"{label:40s} {'':>8s} {'':>10s} {'':>15s} {took:>6s}  FAIL: {result['error']}", file=out, flush=True)
+        return False
+    equal = result["max_difference"] <= 1e-5
+    print(f"{label:40s} {len(result['devices']):8d} {1000 * result['step_seconds']:8.1f}ms "
+          f"{'yes' if equal else 'NO (%.2g)' % result['max_difference']:>15s} {took:>6s}  {'pass' if equal else 'FAIL'}",
+          file=out, flush=True)
+    return equal
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 3 and argv[0] == "--row":
-        print(json.dumps(run_row(argv[1], json.loads(argv[2]))))
+    if len(argv) == 2 and argv[0] == "--rows":
+        run_rows([tuple(row) for row in json.loads(argv[1])])
         return 0
     return check()
 

@@ -10,8 +10,10 @@ Neither imports TensorFlow, so such an error is not preceded by TensorFlow's sta
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
+import tempfile
 from typing import Optional, Set
 
 from returnn_tpu.errors import ConfigError
@@ -150,7 +152,17 @@ def check_config(config):
     network = config.typed_value("network", None)
     if isinstance(network, dict) and not config.typed_value("get_network", None) and not _has_loss(network):
         raise ConfigError("network has no layer with a 'loss': there is nothing to train")
-    _check_writable("model", os.path.dirname(os.path.abspath(config.value("model", ""))))
+    model = config.value("model", "")
+    if model.endswith(os.sep) or os.path.isdir(model):
+        raise ConfigError(f"model must be a file name prefix for the checkpoints (e.g. 'out/model', which gives "
+                          f"out/model.001.index), got the folder {model!r}")
+    _check_writable("model", os.path.dirname(os.path.abspath(model)))
+    scores_file = config.value("learning_rate_file", None)
+    if scores_file:
+        if os.path.isdir(scores_file):
+            raise ConfigError(f"learning_rate_file must be a file (RETURNN writes the epochs' scores there), got the "
+                              f"folder {scores_file!r}")
+        _check_writable("learning_rate_file", os.path.dirname(os.path.abspath(scores_file)))
     for path in config.list("log", []):
         if path not in ("stdout", "|"):
             _check_writable("log", os.path.dirname(os.path.abspath(path)))
@@ -212,11 +224,9 @@ def _check_number(config, key: str, integer: bool, what: str, valid):
     raw = config.typed_value(key, None)
     if raw is None or (isinstance(raw, (dict, list, tuple)) and key != "learning_rate"):
         return  # e.g. batch_size or max_seq_length per data key: RETURNN checks those
-    try:
-        value = None if isinstance(raw, bool) else float(raw)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or (integer and value != int(value)) or not valid(value):
+    # A string is not a number here even if it reads as one: RETURNN's code uses the value as it is.
+    value = float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else None
+    if value is None or not math.isfinite(value) or (integer and not isinstance(raw, int)) or not valid(value):
         raise ConfigError(f"{key} must be {what}, got {raw!r}")
 
 
@@ -240,10 +250,29 @@ def _has_loss(net: dict) -> bool:
 
 
 def _check_writable(option: str, folder: str):
-    """``folder`` can be created or written: its nearest existing ancestor is a writable folder."""
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise ConfigError(f"{option}: cannot write to {folder!r} ({existing!r} is "
-                          f"{'not a folder' if not os.path.isdir(existing) else 'not writable'})")
+    """``folder`` can be created or written, found by trying (``os.access`` says yes to root, also
+    under ``/proc``): a file is created and removed in its nearest existing ancestor, and every
+    part still to be created is a name the file system allows."""
+    existing, missing = folder, []
+    while not os.path.lexists(existing):
+        existing, name = os.path.dirname(existing), os.path.basename(existing)
+        missing.append(name)
+    if not os.path.exists(existing):
+        raise ConfigError(f"{option}: cannot write to {folder!r} ({existing!r} is a symlink to nothing)")
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{option}: cannot write to {folder!r} ({existing!r} is not a folder)")
+    try:
+        longest = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    too_long = [name for name in missing if len(name.encode()) > longest]
+    if too_long:
+        raise ConfigError(f"{option}: cannot write to {folder!r} (the name {too_long[0][:40]!r}... is longer than the "
+                          f"{longest} bytes the file system allows)")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".returnn_tpu_write_test_", dir=existing)
+        os.close(handle)
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"{option}: cannot write to {folder!r} (creating a file in {existing!r} failed: "
+                          f"{exc.strerror or exc})") from None

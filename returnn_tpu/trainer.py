@@ -71,6 +71,7 @@ class Trainer:
 
         check_supported(config)
         self.config = config
+        self.learning_rate_control = self._learning_rate_control()  # bad input found before anything starts
         self.options = options
         self.log = log
         self.cluster = cluster or Cluster("local", None)
@@ -117,7 +118,6 @@ class Trainer:
         self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
         self.save_interval = config.int("save_interval", 1)
-        self.learning_rate_control = self._learning_rate_control()
         self.report = EpochReport(
             config, log, self.learning_rate_control, model_filename=self.model_filename, chief=self.cluster.is_chief,
             static_fields={"strategy": options.strategy, "num_workers": self.cluster.num_workers,
@@ -257,7 +257,11 @@ class Trainer:
     def _learning_rate_control(self):
         from returnn.learning_rate_control import load_learning_rate_control_from_config
 
-        return load_learning_rate_control_from_config(self.config)
+        try:
+            return load_learning_rate_control_from_config(self.config)
+        except Exception as exc:  # noqa: BLE001 (RETURNN evaluates the file; its errors name no file)
+            raise ConfigError(f"learning_rate_file {self.config.value('learning_rate_file', '')!r} is not a RETURNN "
+                              f"learning-rate file ({type(exc).__name__}: {exc}); fix or remove it") from None
 
     def start_epoch(self) -> int:
         """The epoch after the newest checkpoint at ``model`` (1 if there is none), as RETURNN does."""
@@ -289,9 +293,9 @@ class Trainer:
             filename, self._resume_prefix = self._resume_prefix, None
             print(f"load model {filename}", file=self.log.v2)
             # A network that changes per epoch may differ from the checkpoint's network.
-            model = {k: v for k, v in self.model_state().items() if k not in self.sync_state()}
-            checkpoints.restore(filename, model, partial=self.networks.changes_per_epoch,
-                                log_file=self.log.v3, fallbacks=self.optimizer.FALLBACKS)
+            network = self.builder.variables.network_variables()
+            checkpoints.restore(filename, network, partial=self.networks.changes_per_epoch, log_file=self.log.v3)
+            self._restore_optimizer(filename)
             # A checkpoint of a run without the outer optimizer has no outer state: it starts at 0.
             checkpoints.restore(filename, self.sync_state(), partial=True, log_file=self.log.v3)
             self.micro_steps = int(self.optimizer.step.numpy()) * self.accum_grad_steps
@@ -301,6 +305,22 @@ class Trainer:
             # checkpoint, the anchor is the model: checkpoints are written after a full sync).
             self.steps.start_sync()
             self.sync_schedule.synced()
+
+    def _restore_optimizer(self, filename: str):
+        """The optimizer's state from the checkpoint. One without the slots (plain RETURNN on TF 2
+        saves none of its Keras optimizer's state) starts them fresh, with a warning: the step
+        count comes from its ``global_step``, Adam's moments and bias correction restart."""
+        state = self.optimizer.variables()
+        saved = checkpoints.variable_names(filename)
+        slots = [name for name in state if name not in ("global_step", "optimize/slot_step")]
+        if not slots or any(name in saved for name in slots):  # ours (of this network, or of another epoch's)
+            checkpoints.restore(filename, state, partial=self.networks.changes_per_epoch, log_file=self.log.v3,
+                                fallbacks=self.optimizer.FALLBACKS)
+            return
+        print(f"returnn-tpu: warning: checkpoint {filename} has no optimizer state (e.g. no {slots[0]!r}; plain "
+              f"RETURNN saves none): the optimizer's {len(slots)} slots start fresh, at its global_step",
+              file=self.log.v1)
+        checkpoints.restore(filename, {"global_step": self.optimizer.step}, log_file=self.log.v3)
 
     def _newest_checkpoint(self) -> Optional[str]:
         epoch = self.start_epoch() - 1
@@ -392,6 +412,8 @@ class Trainer:
             + (f", step {first_step + 1} (interrupted there)" if interrupted else ""),
             file=self.log.v2,
         )
+        for line in self.start_notes():
+            print(f"returnn-tpu: {line}", file=self.log.v2)
         self._resume_epoch = start_epoch - 1
         self._resume_prefix = interrupted.prefix if interrupted else self._newest_checkpoint()
         try:
@@ -400,6 +422,28 @@ class Trainer:
                 first_step = 0
         finally:
             self.close()
+        if self.cluster.is_chief:
+            print(f"returnn-tpu: finished training at epoch {self.num_epochs}: model {self.epoch_filename(self.num_epochs)}"
+                  f", log {', '.join(self.config.list('log', [])) or 'stdout only'}, metrics {self.report.metrics_path}",
+                  file=self.log.v1)
+
+    def start_notes(self) -> List[str]:
+        """What a user should know before the first step: the options in force, a local SGD that
+        has one replica, and what an epoch is with several replicas."""
+        notes = [f"distribute_options in force: {self.options.in_force()}"]
+        replicas = self.steps.num_replicas
+        if self.averaging and replicas == 1:
+            notes.append(f"{self.options.strategy} with 1 replica trains as on one device (nothing to average); "
+                         "set distribute_options['num_replicas'] (CPU: logical devices), or run on several GPUs or "
+                         "workers")
+        if replicas > 1 and self.options.dataset_distribution == "random_seed_offset":
+            notes.append(f"an epoch is {replicas} passes over the training data: each of the {replicas} replicas "
+                         "walks its own copy in its own order (as RETURNN's Horovod mode does), and epoch-keyed "
+                         "learning-rate schedules see that; distribute_options['dataset_distribution'] = 'shard' "
+                         "makes an epoch one pass, dealt to the replicas")
+        elif replicas > 1:
+            notes.append(f"an epoch is one pass over the training data, its batches dealt to the {replicas} replicas")
+        return notes
 
     def initialize_model(self):
         """RETURNN's ``task = "initialize_model"``: the initial parameters of epoch 1's network,
@@ -498,7 +542,7 @@ class Trainer:
                 file=self.log.v2,
             )
         self.report.record(epoch, self.epoch_name(epoch), scores, dev_results, stats, learning_rate,
-                           global_step=int(self.optimizer.step.numpy()), extra=xla)
+                           global_step=int(self.optimizer.step.numpy()), first_global_step=self.micro_steps - stats.steps, extra=xla)
         if self.cluster.is_chief and self.config.bool_or_other("cleanup_old_models", None):
             checkpoints.cleanup_old_models(self.config, self.learning_rate_control)
 

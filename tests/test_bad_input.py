@@ -14,7 +14,8 @@ from test_cli import SMALL_CONFIG
 
 FILE = "a file, not a folder"
 
-# (what is added to the config, extra command-line arguments, environment, text the error must contain)
+# (what is added to the config, extra command-line arguments (``++key value`` after the config,
+# ``--flag value`` before it), environment, text the error must contain)
 ROWS = [
     ('distribute_strategy = "allreduce"', [], {}, "distribute_strategy must be one of"),
     ('distribute_options = {"sync_every": 3}', [], {}, "unknown key 'sync_every'"),
@@ -74,7 +75,23 @@ ROWS = [
     ("", [], {"TF_CONFIG": "{not json"}, "TF_CONFIG is not valid JSON"),
     ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                                        "task": {"type": "worker", "index": 1}}),
-              "NUM_REPLICAS_LINE": "1"}, "cannot be used with several CPU workers"),
+              "NUM_REPLICAS_LINE": "1"}, "num_replicas'] must be 1 (or left out) with several CPU workers"),
+    # Paths that os.access calls writable for root, and others that only trying shows.
+    ('model = "/proc/no/such/model"', [], {}, "model: cannot write to '/proc/no/such' (creating a file in '/proc'"),
+    ('log = "/proc/no/train.log"', [], {}, "log: cannot write to '/proc/no'"),
+    ('model = "out/model/"', [], {}, "model must be a file name prefix for the checkpoints"),
+    (f'model = "{"m" * 300}/model"', [], {}, "is longer than the 255 bytes the file system allows"),
+    ('model = "dangling/model"', [], {}, "('{tmp}/dangling' is a symlink to nothing)"),
+    ('learning_rate_file = "."', [], {}, "learning_rate_file must be a file"),
+    ('learning_rate_file = "/proc/lr"', [], {}, "learning_rate_file: cannot write to '/proc'"),
+    # Values of the wrong type that RETURNN's code would fail on later.
+    ("num_epochs = 1.0", [], {}, "num_epochs must be an int >= 1, got 1.0"),
+    ('batch_size = "5000"', [], {}, "batch_size must be an int >= 1, got '5000'"),
+    ('learning_rate = float("inf")', [], {}, "learning_rate must be a number > 0, got inf"),
+    ("", ["++learning_rate", "1e400"], {}, "learning_rate must be a number > 0, got inf"),
+    ("", ["--max-restarts", "1"], {}, "--max-restarts needs --local-workers"),
+    ("", ["--local-workers", "0"], {}, "--local-workers needs a number >= 1, got 0"),
+    ("", ["--local-workers", "x"], {}, "argument --local-workers: invalid int value: 'x'"),
     ("", [], {"TF_CONFIG": "BUSY_PORT"}, "is in use by another process"),
 ]
 
@@ -90,6 +107,8 @@ def test_bad_input(tmp_path, monkeypatch, capsys, line, args, env, message):
     log = "" if line.startswith("log =") else "log = 'out/train.log'\n"
     (tmp_path / "train.config").write_text(config + log + line + "\n")
     (tmp_path / FILE).write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    message = message.replace("{tmp}", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -100,9 +119,10 @@ def test_bad_input(tmp_path, monkeypatch, capsys, line, args, env, message):
                                            "task": {"type": "worker", "index": 0}})
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        status = cli.main(["train.config", *args])
+        own_flags = bool(args) and args[0].startswith("--")  # returnn-tpu's own, before the config
+        status = cli.main([*args, "train.config"] if own_flags else ["train.config", *args])
     err = capsys.readouterr().err
     errors = [text for text in err.splitlines() if text.startswith("returnn-tpu: error:")]
     assert status == 2, err[-3000:]
     assert len(errors) == 1 and message in errors[0], err[-3000:]
-    assert sorted(os.listdir(tmp_path)) == sorted(["train.config", FILE])  # nothing written, not even the log
+    assert sorted(os.listdir(tmp_path)) == sorted(["train.config", FILE, "dangling"])  # nothing written, not even the log

@@ -213,3 +213,19 @@ def test_check_runs_every_strategy_this_machine_allows(tmp_path):
                           "local_sgd_tpu program, local devices", "two local workers (--local-workers 2)"}, \
         result.stdout
     assert "no TPU found" in result.stdout and "8 of 8 passed" in result.stdout
+
+
+def test_help_and_version(capsys):
+    """``--help`` lists the flags, ``++key value`` and the environment variables; ``--version``
+    names this package and what it runs on (both exit 0, as argparse's do)."""
+    from returnn_tpu import cli
+
+    for flag in ("--help", "--version"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main([flag])
+        assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("--local-workers N", "--max-restarts K", "--check", "++key value", "TF_CONFIG",
+                 "RETURNN_TPU_SHARE_NETWORK", "exit status"):
+        assert text in out, text
+    assert re.search(r"^returnn-tpu \d+\.\d+\.\d+ \(returnn [\d.]+, tensorflow", out, re.M), out
