@@ -40,6 +40,8 @@ import os
 import pickle
 import queue
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -54,6 +56,7 @@ WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says 
 HEARTBEAT_SECONDS = 2.0  # how often worker 0's producer tells the other workers that it still runs
 REMOTE_SILENCE_SECONDS = 30.0  # a worker that hears nothing of worker 0's producer this long stops
 CONNECT_SECONDS = 120.0  # how long worker 0's producer waits for the other workers to connect
+HANDSHAKE_SECONDS = 10.0  # how long a connecting client may take to prove the key and say hello
 
 
 class ProducerError(RuntimeError):
@@ -285,24 +288,48 @@ class RemoteProducer:
         self._connection.close()
 
 
+def _receive_timeout(sock: socket.socket, seconds: float):
+    """The kernel's bound on each blocking read of ``sock`` (0: none), which ``Connection`` reads obey."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+
+
 class _Workers:
     """Worker 0's producer's connections to the other workers, in worker order, and a heartbeat
     thread that keeps them from taking silence for death."""
 
-    def __init__(self, listener, serve: ServeOptions):
+    def __init__(self, listener: socket.socket, serve: ServeOptions):
         connected = {}
+
+        def handshake(sock: socket.socket, address):
+            """One client's key check and hello, on a thread of its own: a client that connects
+            and then says nothing holds up only this thread, not the other workers' handshakes."""
+            from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+            _receive_timeout(sock, HANDSHAKE_SECONDS)  # a silent client's reads end (the fd stays blocking)
+            connection = Connection(sock.detach())
+            try:
+                deliver_challenge(connection, serve.authkey)
+                answer_challenge(connection, serve.authkey)
+                kind, worker = connection.recv()
+                if kind != "hello" or worker not in range(1, serve.num_workers):
+                    raise ValueError(f"not a worker's hello: {kind!r} {worker!r}")
+            except (multiprocessing.AuthenticationError, OSError, EOFError, ValueError, TypeError) as exc:
+                print(f"returnn-tpu: data producer: refused a connection from {address}: {exc}", file=sys.stderr,
+                      flush=True)
+                connection.close()
+                return
+            with socket.socket(fileno=os.dup(connection.fileno())) as same:
+                _receive_timeout(same, 0)  # from here on, heartbeats and bounds of their own
+            connected[worker] = connection
 
         def accept():
             while len(connected) < serve.num_workers - 1:
                 try:
-                    connection = listener.accept()  # also checks the key
-                    kind, worker = connection.recv()
-                except (multiprocessing.AuthenticationError, OSError, EOFError) as exc:
-                    print(f"returnn-tpu: data producer: refused a connection from {listener.last_accepted}: {exc}",
-                          file=sys.stderr, flush=True)
-                    continue
-                assert kind == "hello", kind
-                connected[worker] = connection
+                    sock, address = listener.accept()
+                except OSError:
+                    return  # closed
+                threading.Thread(target=handshake, args=(sock, address), name="returnn_tpu producer handshake",
+                                 daemon=True).start()
 
         threading.Thread(target=accept, name="returnn_tpu producer accept", daemon=True).start()
         deadline = time.monotonic() + CONNECT_SECONDS
@@ -311,7 +338,7 @@ class _Workers:
         missing = [f"worker {w}" for w in range(1, serve.num_workers) if w not in connected]
         if missing:
             raise ProducerError(f"{', '.join(missing)} did not connect to the data producer at "
-                                f"{serve.host}:{listener.address[1]} within {CONNECT_SECONDS:.0f} s")
+                                f"{serve.host}:{listener.getsockname()[1]} within {CONNECT_SECONDS:.0f} s")
         self.connections = [connected[w] for w in range(1, serve.num_workers)]
         self.replicas_per_worker = serve.replicas_per_worker
         self._lock = threading.Lock()
@@ -435,10 +462,8 @@ def _serve(setup: dict, commands, results):
     try:
         serve: Optional[ServeOptions] = setup["serve"]
         if serve:
-            from multiprocessing.connection import Listener
-
-            listener = Listener((serve.host, 0), authkey=serve.authkey)
-            results.put(("listening", listener.address[1]))
+            listener = socket.create_server((serve.host, 0))
+            results.put(("listening", listener.getsockname()[1]))
         epochs = _EpochMaker(setup)
         if serve:
             workers = _Workers(listener, serve)

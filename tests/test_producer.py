@@ -4,6 +4,7 @@ bit; every sequence once per epoch across replicas (shard); its failure and deat
 import os
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -154,7 +155,8 @@ def _assert_same_batches(ours, theirs):
 def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path):
     """``data_producer = "chief"``: worker 0's producer makes both replicas' batches (one per
     worker) and sends worker 1 its own over a TCP connection that must prove the key; each
-    worker's part is that of the in-process batches, bit for bit. A wrong key is refused, and
+    worker's part is that of the in-process batches, bit for bit. A client that connects and says
+    nothing does not hold up the others' handshakes, a wrong key is refused, and
     worker 1 learns within a bound that the producer is gone."""
     import threading
 
@@ -167,6 +169,7 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
                             prefetch=2, serve=ServeOptions("127.0.0.1", key, num_workers=2, replicas_per_worker=1))
     try:
         port = producer.port()
+        idle = socket.create_connection(("127.0.0.1", port))  # connects, then says nothing: must not hold up others
         with pytest.raises(ProducerError, match=f"cannot connect to worker 0's data producer at 127.0.0.1:{port}"):
             RemoteProducer(("127.0.0.1", port), os.urandom(16), worker_index=1)
         remote = RemoteProducer(("127.0.0.1", port), key, worker_index=1)
@@ -194,5 +197,6 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
             remote.epoch(**request)
         assert time.time() - start < 5
         remote.close()
+        idle.close()
     finally:
         producer.close()

@@ -23,6 +23,7 @@ import sys
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as car
 
+from returnn_tpu.strategies import startup_watchdog
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin
 
 
@@ -48,8 +49,9 @@ def startup_deadline(cluster_resolver, startup_timeout: float):
         for task_id, address in enumerate(spec.job_tasks(job))
         if f"{job}:{task_id}" != own
     ]
+    # The file itself, not ``-m``: the package's __init__ would import TensorFlow (seconds of CPU).
     watchdog = subprocess.Popen(
-        [sys.executable, "-m", "returnn_tpu.strategies.startup_watchdog", str(os.getpid()),
+        [sys.executable, "-I", os.path.abspath(startup_watchdog.__file__), str(os.getpid()),
          str(startup_timeout), own.replace(":", " "), *peers],
         stdin=subprocess.PIPE,
     )
