@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
@@ -56,11 +56,21 @@ WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says 
 HEARTBEAT_SECONDS = 2.0  # how often worker 0's producer tells the other workers that it still runs
 REMOTE_SILENCE_SECONDS = 30.0  # a worker that hears nothing of worker 0's producer this long stops
 CONNECT_SECONDS = 120.0  # how long worker 0's producer waits for the other workers to connect
+STOPPED_SECONDS = 30.0  # a producer stopped by a signal this long while training waits is an error
 HANDSHAKE_SECONDS = 10.0  # how long a connecting client may take to prove the key and say hello
 
 
 class ProducerError(RuntimeError):
     """The dataset producer failed or died."""
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (Linux's process state ``T``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def raise_error(message: tuple, producer: str):
@@ -103,12 +113,14 @@ class DataProducer:
         return port
 
     def epoch(self, *, epoch: int, batching, data_keys: Sequence[str], recurrent: bool, train: bool,
-              slots: Optional[range], num_slots: Optional[int], pad_last: bool) -> "ProducedEpoch":
+              slots: Optional[range], num_slots: Optional[int], pad_last: bool,
+              while_waiting: Optional[Callable[[], None]] = None) -> "ProducedEpoch":
         """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`);
-        returns once the producer has made the batch lists and knows the number of steps."""
+        returns once the producer has made the batch lists and knows the number of steps (which
+        can take long: ``while_waiting`` is called about every second meanwhile, and may raise)."""
         self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), recurrent=recurrent,
                                 train=train, slots=slots, num_slots=num_slots, pad_last=pad_last))
-        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists")
+        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists", while_waiting=while_waiting)
         assert kind == "steps", kind
         return ProducedEpoch(self, num_steps, batching, making_seconds)
 
@@ -130,11 +142,11 @@ class DataProducer:
         """Frees what a ``step`` message that training does not take holds."""
         _free_block(message[1])
 
-    def receive(self, what: str = "a batch"):
-        """The next message from the producer; :class:`ProducerError` if it failed or died. A
-        long wait is reported every WAIT_REPORT_SECONDS (a large dataset's batch lists can take
-        long; a hung dataset is then seen, not silent)."""
-        waited = 0.0
+    def receive(self, what: str = "a batch", while_waiting: Optional[Callable[[], None]] = None):
+        """The next message from the producer; :class:`ProducerError` if it failed, died, or was
+        stopped (SIGSTOP) for STOPPED_SECONDS. A long wait is reported every WAIT_REPORT_SECONDS
+        (a large dataset's batch lists can take long; a hung dataset is then seen, not silent)."""
+        waited = stopped = 0.0
         while True:
             try:
                 message = self._results.get(timeout=LIVENESS_SECONDS)
@@ -143,6 +155,12 @@ class DataProducer:
                 if not self._process.is_alive():
                     raise ProducerError(f"data producer (pid {self.pid}) died (exit status "
                                         f"{self._process.exitcode}) while training waited for {what}") from None
+                stopped = stopped + LIVENESS_SECONDS if _is_stopped(self.pid) else 0.0
+                if stopped >= STOPPED_SECONDS:
+                    raise ProducerError(f"data producer (pid {self.pid}) has been stopped (SIGSTOP) for "
+                                        f"{stopped:.0f} s while training waited for {what}")
+                if while_waiting:
+                    while_waiting()
                 if waited % WAIT_REPORT_SECONDS < LIVENESS_SECONDS:
                     print(f"returnn-tpu: waiting {waited:.0f} s for the data producer (pid {self.pid}): {what}",
                           file=sys.stderr, flush=True)
@@ -237,10 +255,11 @@ class RemoteProducer:
             raise ProducerError(f"cannot connect to worker 0's data producer at {self.address}: {exc}") from None
         self._connection.send(("hello", worker_index))
 
-    def epoch(self, *, epoch: int, batching, **_request) -> ProducedEpoch:
+    def epoch(self, *, epoch: int, batching, while_waiting: Optional[Callable[[], None]] = None,
+              **_request) -> ProducedEpoch:
         """Epoch ``epoch``'s batches for this worker (worker 0 asks for all workers' batches)."""
         self.send("epoch", epoch)
-        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists")
+        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists", while_waiting=while_waiting)
         assert kind == "steps", kind
         return ProducedEpoch(self, num_steps, batching, making_seconds)
 
@@ -261,13 +280,15 @@ class RemoteProducer:
     def discard(message):
         pass  # arrives as arrays
 
-    def receive(self, what: str = "a batch"):
+    def receive(self, what: str = "a batch", while_waiting: Optional[Callable[[], None]] = None):
         """The next message from worker 0's producer; :class:`ProducerError` if it failed, closed
         the connection, or sent nothing (not even its heartbeat) for REMOTE_SILENCE_SECONDS."""
         silent = 0.0
         while True:
             try:
                 if not self._connection.poll(LIVENESS_SECONDS):
+                    if while_waiting:
+                        while_waiting()
                     silent += LIVENESS_SECONDS
                     if silent >= REMOTE_SILENCE_SECONDS:
                         raise ProducerError(f"worker 0's data producer ({self.address}) sent nothing for "

@@ -366,7 +366,7 @@ class Trainer:
             pad_last=not train,
         )
         if train and self.producer:
-            batches = self.producer.epoch(**what)
+            batches = self.producer.epoch(**what, while_waiting=lambda: self._stop_while_waiting(epoch))
         else:
             batches = EpochBatches(datasets, extern_data=self.extern_data, prefetch=self.options.data_prefetch, **what)
         batches.limit_steps(min(self.workers.all_workers(batches.num_steps)))
@@ -579,6 +579,14 @@ class Trainer:
         self.workers.all_workers(0)  # the chief has written it
         raise Stopped(f"{where}; the combined model is in {prefix}: run the same command to continue "
                       f"{self.epoch_name(epoch)} at step {step + 1}", signum)
+
+    def _stop_while_waiting(self, epoch: int):
+        """While the producer makes an epoch's batch lists (minutes, for some datasets): a stop
+        signal ends the run there; nothing of the epoch was trained, so the newest checkpoint is
+        where the same command resumes."""
+        if self.stop_signal is not None:
+            raise Stopped(f"stopped by signal {self.stop_signal} while the data producer made {self.epoch_name(epoch)}'s "
+                          "batch lists; nothing of it was trained: run the same command to resume", self.stop_signal)
 
     def check_nonfinite(self, epoch: int, stats: EpochStats):
         """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN

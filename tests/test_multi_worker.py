@@ -100,20 +100,16 @@ def test_two_workers_local_sgd_via_tf_config(tmp_path, schedule):
 
 
 def own_copy_batches(config_path, worker: int, epoch: int) -> int:
-    """How many RETURNN batches worker ``worker``'s dataset copy has in ``epoch`` (in a subprocess)."""
-    code = (
-        "import sys; from returnn_tpu.returnn_bridge import start_returnn; "
-        "from returnn_tpu.data import BatchingOptions, init_datasets; "
-        f"config = start_returnn({str(config_path)!r}, []); "
-        f"dataset, = init_datasets(config, 'train', 1, {worker}, 'random_seed_offset'); "
-        f"dataset.init_seq_order(epoch={epoch}); "
-        "print(len(BatchingOptions(config).generate(dataset, recurrent=True, used_data_keys=['data', 'classes'], "
-        "train=True)))"
-    )
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return int(out.stdout.strip().splitlines()[-1])
+    """How many RETURNN batches worker ``worker``'s dataset copy has in ``epoch``."""
+    from returnn.config import Config
+
+    from returnn_tpu.data import BatchingOptions, init_datasets
+
+    config = Config()
+    config.load_file(str(config_path))
+    dataset, = init_datasets(config, "train", 1, worker, "random_seed_offset")
+    dataset.init_seq_order(epoch=epoch)
+    return len(BatchingOptions(config).generate(dataset, recurrent=True, used_data_keys=["data", "classes"], train=True))
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
@@ -139,7 +135,7 @@ def test_kill_9_of_an_mpi_rank_ends_the_job_and_it_resumes(tmp_path):
     runs it); the same command resumes after it."""
     import signal
 
-    write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=50,
+    write_config(tmp_path / "train.config", num_seqs="100", num_epochs=50,
                  options={"param_sync_step": 3, "cluster_resolver": "mpi", "startup_timeout": 120})
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -237,7 +233,7 @@ def test_missing_worker_is_named_within_the_timeout(tmp_path):
 def test_worker_dying_during_training_is_named(tmp_path):
     from returnn_tpu.launcher import free_local_ports
 
-    write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=50,
+    write_config(tmp_path / "train.config", num_seqs="100", num_epochs=50,
                  options={"param_sync_step": 3, "startup_timeout": 120, "collective_timeout": 60})
     ports = free_local_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
@@ -261,15 +257,24 @@ def test_worker_dying_during_training_is_named(tmp_path):
     assert len(errors) == 1 and f"lost worker 1 (127.0.0.1:{ports[1]})" in errors[0], stderr[-2000:]
 
 
-def _launch(tmp_path, num_seqs="2000", num_epochs=50, launcher_args=(), **options):
-    """``returnn-tpu --local-workers 2`` on a long run; returns the launcher once training is under way."""
+def _launch(tmp_path, num_seqs="300", num_epochs=50, launcher_args=(), until="step", **options):
+    """``returnn-tpu --local-workers 2`` on a long run; returns the launcher once training is under
+    way: the chief has logged its third step (``until="step"``; a fault injected there lands in the
+    first steps) or written its first checkpoint (``until="checkpoint"``)."""
     write_config(tmp_path / "train.config", num_seqs=num_seqs, num_epochs=num_epochs,
                  options={"param_sync_step": 3, "startup_timeout": 120, **options})
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    verbose = ["++log_verbosity", "5"] if until == "step" else []  # the chief's step lines
     launcher = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "--local-workers", "2", *launcher_args,
-                                 "train.config"],
+                                 "train.config", *verbose],
                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
+    if until == "step":
+        for line in launcher.stdout:
+            if line.startswith("[worker 0] train epoch 1, step 2,"):
+                return launcher
+            assert time.time() < deadline, "no third step within 300 s"
+        raise AssertionError(f"the job ended before its third step (status {launcher.wait()})")
     while not os.path.exists(tmp_path / "out" / "model.001.index"):
         assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
         time.sleep(0.2)
@@ -328,9 +333,6 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     workers = _workers_of(launcher)
     assert len(workers) == 2
     _assert_reachable_only_inside(workers)
-    while not os.path.exists(tmp_path / "out" / "metrics.jsonl"):  # epoch 1 and its dev scores are done
-        time.sleep(0.1)
-    time.sleep(2)  # into epoch 2 (about 200 steps)
     os.kill(launcher.pid if target == "launcher" else workers[int(target[-1])], signal.SIGTERM)
     start = time.time()
     output, _ = launcher.communicate(timeout=60)
@@ -342,12 +344,13 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     stopped = [line for line in output.splitlines() if "returnn-tpu: stopped by signal 15" in line]
     assert len(stopped) == 2, output[-3000:]
     found = checkpoints.interrupted(str(tmp_path / "out" / "model"), 1)
-    assert found and f"the combined model is in out/model.{found.epoch:03d}.interrupted" in stopped[0], output[-3000:]
-    assert set(checkpoint_params(tmp_path / "out" / "model.001")) < set(checkpoint_params(found.prefix))
-    resumed = run_cli(["train.config", "++num_epochs", str(found.epoch)], cwd=tmp_path)  # one worker now
+    assert found and found.epoch == 1 and found.steps_done > 0, found  # in the first steps
+    assert "the combined model is in out/model.001.interrupted" in stopped[0], output[-3000:]
+    interrupted = set(checkpoint_params(found.prefix))
+    resumed = run_cli(["train.config", "++num_epochs", "1"], cwd=tmp_path)  # one worker now
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"start training at epoch {found.epoch}, step {found.steps_done + 1}" in resumed.stdout
-    assert os.path.exists(tmp_path / "out" / f"model.{found.epoch:03d}.index")
+    assert f"start training at epoch 1, step {found.steps_done + 1}" in resumed.stdout
+    assert set(checkpoint_params(tmp_path / "out" / "model.001")) < interrupted  # it holds the position too
 
 
 def test_a_hung_worker_ends_the_job_within_a_bound(tmp_path):
@@ -383,7 +386,8 @@ def test_threads_stay_flat_with_a_sync_every_step(tmp_path):
 def test_max_restarts_resumes_the_job_after_a_lost_worker(tmp_path):
     import signal
 
-    launcher = _launch(tmp_path, num_seqs="600", num_epochs=4, launcher_args=("--max-restarts", "1"))
+    launcher = _launch(tmp_path, num_seqs="100", num_epochs=4, launcher_args=("--max-restarts", "1"),
+                       until="checkpoint")
     os.kill(_workers_of(launcher)[1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, output[-3000:]

@@ -200,3 +200,36 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
         idle.close()
     finally:
         producer.close()
+
+
+def test_sigterm_while_the_producer_makes_the_first_batch_lists_stops_the_run(tmp_path):
+    """A dataset whose batch lists take long (here 100 ms per sequence): SIGTERM while the trainer
+    waits for them ends the run within seconds, status 143, saying that nothing was trained."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    config = PRODUCER_CONFIG.replace(
+        'train = {"class": "Task12AXDataset", "num_seqs": 37}',
+        'import time\n'
+        'def _slow(data, **_):\n'
+        '    time.sleep(0.1)\n'
+        '    return data\n'
+        'train = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 1000},'
+        ' "map_seq": _slow}')
+    (tmp_path / "train.config").write_text(config)
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "start training at epoch 1" in line:
+            break
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert time.time() - start < 10
+    assert "while the data producer made epoch 1's batch lists; nothing of it was trained" in stderr, stderr[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "model.001.index")
