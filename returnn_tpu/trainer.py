@@ -103,6 +103,7 @@ class Trainer:
             # mask gives those rows finite weights, and real sequences the same ones (exp underflows
             # to 0 alike).
             config.set("inf_value", FINITE_INF_VALUE)
+        self.info, self._inspected = None, None  # what the builder's network is, and of which net dict
         self._inspect_network()
         self.bucket_boundaries = None
         if options.jit_compile:
@@ -182,10 +183,14 @@ class Trainer:
         )
 
     def _inspect_network(self):
-        """What batching needs to know of the builder's network (and, with XLA, whether it compiles)."""
+        """What batching needs to know of the builder's network (and, with XLA, whether it compiles);
+        once per network dict (each inspection logs RETURNN's layer templates, as its build does)."""
+        if self.info is not None and self._inspected is self.builder.net_dict:
+            return
         if self.options.jit_compile:
             check_xla_compatible(self.builder.net_dict)
         self.info = self.builder.inspect()
+        self._inspected = self.builder.net_dict
         self.extern_data = self.info.extern_data
         self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
 

@@ -52,8 +52,8 @@ def initial_params_of(prefix: str) -> Dict[str, "numpy.ndarray"]:
 
 
 def train_epoch(tool: str, config: str, workdir: str, strategy_args: List[str] = (), env=None):
-    """One epoch at log_verbosity 5, the initial model saved: ``(first step's costs,
-    learning_rate_file scores of epoch 1, log)``."""
+    """One epoch (or as many as ``strategy_args`` say) at log_verbosity 5, the initial model
+    saved: ``(first step's costs, learning_rate_file scores of epoch 1 with its ":meta:" entries, log)``."""
     from returnn.learning_rate_control import LearningRateControl
 
     result = run(tool, config, workdir, ["++log_verbosity", "5", "++model", "out/model", "++save_epoch1_initial_model", "True",
@@ -66,14 +66,15 @@ def train_epoch(tool: str, config: str, workdir: str, strategy_args: List[str] =
         key, value = part.rsplit(" ", 1)
         step0[key] = float(value)
     control = LearningRateControl(default_learning_rate=1.0, filename=os.path.join(workdir, "out", "lr"))
-    return step0, dict(control.epoch_data[1].error), result.stdout
+    return step0, dict(control.epoch_data[1].error, **{f":meta:{k}": v for k, v in control.epoch_data[1].meta.items()}), \
+        result.stdout
 
 
-def compare(config: str, workdir: str, env=None) -> Dict[str, object]:
-    """Runs both tools and returns what the parity test checks."""
-    plain_step, plain_scores, _ = train_epoch("returnn", config, os.path.join(workdir, "plain"), env=env)
+def compare(config: str, workdir: str, env=None, args: List[str] = ()) -> Dict[str, object]:
+    """Runs both tools (with ``args``, e.g. more epochs) and returns what the parity test checks."""
+    plain_step, plain_scores, _ = train_epoch("returnn", config, os.path.join(workdir, "plain"), list(args), env=env)
     our_step, our_scores, _ = train_epoch("returnn_tpu", config, os.path.join(workdir, "ours"),
-                                          ["++distribute_strategy", "single"], env=env)
+                                          [*args, "++distribute_strategy", "single"], env=env)
     plain = initial_params(os.path.join(workdir, "plain"))
     ours = initial_params(os.path.join(workdir, "ours"))
     return {"plain_params": plain, "our_params": ours, "plain_step": plain_step, "our_step": our_step,

@@ -68,6 +68,12 @@ def test_demo_trains_and_dev_score_improves(tmp_path):
     assert "epoch 5 score:" in log and "dev: score" in log
     assert re.search(r"train epoch 5, finished after \d+ steps, 0:00:\d\d elapsed \(\d+\.\d% computing time\)", log)
     assert "ignoring tf_session_opts['gpu_options']['per_process_gpu_memory_fraction']" in log
+    # The start says what runs and what an epoch is; RETURNN's layer templates come once, as in plain
+    # RETURNN (not once per replica and trace); the end says where everything is.
+    assert "returnn-tpu: distribute_options in force: {'num_replicas': 4, 'param_sync_step': 10," in log
+    assert "an epoch is 4 passes over the training data" in log and "'shard' makes an epoch one pass" in log
+    assert log.count("layer root/'output'") == 1, log.count("layer root/'output'")
+    assert f"returnn-tpu: finished training at epoch 5: model {tmp_path / 'model.005'}" in result.stdout
     # TensorBoard, as RETURNN writes it beside the model: train-<time>/ and dev-<epoch>-<time>/.
     assert tensorboard_tags(tmp_path, "train-*") == {"loss_output", "error_output", "learning_rate", "sync_seconds"}
     assert tensorboard_tags(tmp_path, "dev-5-*") == {"loss_output", "error_output"}

@@ -46,10 +46,18 @@ def test_there_are_enough_configs():
     assert len(CONFIG_NAMES) >= 12
 
 
+# Configs whose network changes between epochs (get_network; pretrain over epochs 1-2, then the
+# full network): trained for this many epochs, and checked in every epoch.
+EPOCHS = {"get_network": 3, "enc_dec_attention_pretrain": 3}
+# RETURNN's cleanup_old_models on those, which must keep the same files.
+CLEANUP = ["++cleanup_old_models", "{'keep_last_n': 1, 'keep_best_n': 0, 'keep': [0]}"]
+
+
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_same_as_plain_returnn(name, tmp_path, env):
     config = os.path.join(CONFIGS, name + ".config")
-    out = compare(config, str(tmp_path), env=env)
+    epochs = ["++num_epochs", str(EPOCHS[name]), *CLEANUP] if name in EPOCHS else []
+    out = compare(config, str(tmp_path), env=env, args=epochs)
     plain, ours = out["plain_params"], out["our_params"]
     assert sorted(plain) == sorted(ours)
     for key in plain:
@@ -60,13 +68,19 @@ def test_same_as_plain_returnn(name, tmp_path, env):
             assert out["our_step"][key] == pytest.approx(value, rel=1e-4), key
     assert sorted(out["our_scores"]) == sorted(out["plain_scores"])
     for key, value in out["plain_scores"].items():
+        if key in (":meta:epoch_num_train_steps", ":meta:global_train_step"):
+            assert out["our_scores"][key] == value, key
+        if key.startswith(":meta:"):  # RETURNN's other entries of the epoch (its time, learning rate)
+            continue
         # Dropout masks come from other random streams, so errors and dev scores drift more.
         tolerance = 0.02 if key.startswith("train_score") else 0.1
         assert out["our_scores"][key] == pytest.approx(value, rel=tolerance, abs=1e-3), key
-    # Then it trains distributed.
+    if name in EPOCHS:
+        assert_every_epoch_as_plain_returnn(config, tmp_path, EPOCHS[name])
+    # Then it trains distributed (the data on a thread: the producer is not what this tests).
     run("returnn_tpu", config, str(tmp_path / "local_sgd"),
         ["++model", "out/model", "++distribute_strategy", "local_sgd", "++distribute_options",
-         "{'num_replicas': 2, 'param_sync_step': 2}"], env=env)
+         "{'num_replicas': 2, 'param_sync_step': 2, 'data_producer': 'thread'}"], env=env)
     assert [f for f in os.listdir(tmp_path / "local_sgd" / "out") if f.endswith(".001.index")]  # (pretrain.)001
 
 
@@ -89,16 +103,10 @@ def lr_file_scores(path):
     return {epoch: (data.learning_rate, dict(data.error)) for epoch, data in control.epoch_data.items()}
 
 
-@pytest.mark.parametrize("name, epochs", [("get_network", 3), ("enc_dec_attention_pretrain", 3)])
-def test_network_per_epoch_as_plain_returnn(name, epochs, tmp_path):
-    """Networks that change between epochs (get_network; pretrain over epochs 1-2, then the full
-    network): the same learning rates, score keys and close scores in every epoch, the same
-    checkpoint names (``model.pretrain.NNN``), and RETURNN's cleanup_old_models keeps the same files."""
-    config = os.path.join(CONFIGS, name + ".config")
-    args = ["++num_epochs", str(epochs), "++model", "out/model", "++learning_rate_file", "out/lr",
-            "++cleanup_old_models", "{'keep_last_n': 1, 'keep_best_n': 0}"]
-    run("returnn", config, str(tmp_path / "plain"), args)
-    run("returnn_tpu", config, str(tmp_path / "ours"), args + ["++distribute_strategy", "single"])
+def assert_every_epoch_as_plain_returnn(config, tmp_path, epochs):
+    """Networks that change between epochs: the same learning rates, score keys and close scores
+    in every epoch, the same checkpoint names (``model.pretrain.NNN``), and RETURNN's
+    cleanup_old_models keeps the same files; plain RETURNN evaluates our last checkpoint."""
     plain, ours = lr_file_scores(tmp_path / "plain/out/lr"), lr_file_scores(tmp_path / "ours/out/lr")
     assert sorted(plain) == sorted(ours) == list(range(1, epochs + 1))
     for epoch in plain:
@@ -113,7 +121,8 @@ def test_network_per_epoch_as_plain_returnn(name, epochs, tmp_path):
         metrics = [json.loads(line) for line in f]
     assert all(isinstance(m["dev_score"], (float, dict)) for m in metrics), metrics  # numeric, not None
     # Plain RETURNN evaluates our last checkpoint (returnn-tpu hands it the task).
-    result = run("returnn_tpu", config, str(tmp_path / "ours"), args + ["++task", "eval", "++load_epoch", str(epochs)])
+    result = run("returnn_tpu", config, str(tmp_path / "ours"), ["++model", "out/model", "++task", "eval",
+                                                                   "++load_epoch", str(epochs)])
     assert "Evaluate epoch" in result.stdout and "dev: score" in result.stdout
 
 
