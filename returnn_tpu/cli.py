@@ -19,6 +19,7 @@ import sys
 from typing import List, Optional
 
 from returnn_tpu.errors import ConfigError
+from returnn_tpu.model_lock import ModelLock
 
 ENVIRONMENT = """\
 environment variables:
@@ -157,7 +158,7 @@ def train(filename: str, overrides: List[str]) -> int:
     returns the exit status."""
     from returnn_tpu.startup import TASKS, check_config, load_config
 
-    cluster = None
+    cluster = lock = None
     new_paths: List[str] = []
     try:
         config = load_config(filename, overrides)
@@ -191,6 +192,10 @@ def train(filename: str, overrides: List[str]) -> int:
         if cluster and not cluster.is_chief:
             set_worker_log(config, cluster.worker_index)
         new_paths = _new_paths(config)
+        if not cluster or cluster.is_chief:  # one run per model folder; the chief speaks for its workers
+            model = config.value("model", "")
+            os.makedirs(os.path.dirname(os.path.abspath(model)), exist_ok=True)
+            lock = ModelLock(model)
         for path in config.list("log", []):
             if path not in ("stdout", "|"):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -205,11 +210,16 @@ def train(filename: str, overrides: List[str]) -> int:
             signal.signal(signum, trainer.request_stop)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
+        if lock:
+            lock.release()
         _remove_new_paths(new_paths)  # bad input found after the log started (e.g. the data's dims)
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
         return _training_failure(exc, cluster)
+    finally:
+        if lock:
+            lock.release()
     return 0
 
 

@@ -126,3 +126,38 @@ def test_bad_input(tmp_path, monkeypatch, capsys, line, args, env, message):
     assert status == 2, err[-3000:]
     assert len(errors) == 1 and message in errors[0], err[-3000:]
     assert sorted(os.listdir(tmp_path)) == sorted(["train.config", FILE, "dangling"])  # nothing written, not even the log
+
+
+def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys):
+    """A model folder in use (its lock names a running process on this host) stops a second run
+    with one line naming the owner; a lock whose process is gone, or another host's that nobody
+    refreshed, is taken over."""
+    import subprocess
+    import time
+
+    from returnn_tpu import cli
+    from returnn_tpu.model_lock import STALE_SECONDS, ModelLock
+
+    (tmp_path / "train.config").write_text(SMALL_CONFIG)
+    (tmp_path / "out").mkdir()
+    lock = tmp_path / "out" / "model.lock"
+    owner = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n"
+    lock.write_text(owner)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train.config"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert len(errors) == 1 and f"is in use by another returnn-tpu run (host {socket.gethostname()}, pid " \
+        f"{os.getpid()}, since" in errors[0], errors
+    assert sorted(os.listdir(tmp_path / "out")) == ["model.lock"] and lock.read_text() == owner
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for text, age in ((f"{socket.gethostname()} {gone.pid} 0\n", 0), ("other-host 1 0\n", STALE_SECONDS + 1)):
+        lock.write_text(text)
+        os.utime(lock, (time.time() - age, time.time() - age))
+        taken = ModelLock(str(tmp_path / "out" / "model"))
+        assert lock.read_text().startswith(f"{socket.gethostname()} {os.getpid()} ")
+        taken.release()
+        assert not lock.exists()
+    lock.write_text("other-host 1 0\n")  # refreshed just now: its owner may run
+    with pytest.raises(Exception, match="in use by another returnn-tpu run \\(host other-host, pid 1"):
+        ModelLock(str(tmp_path / "out" / "model"))

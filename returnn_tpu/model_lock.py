@@ -1,0 +1,101 @@
+"""One run per model: a lock file beside the checkpoints that names its owner.
+
+Two runs on the same ``model`` would overwrite each other's checkpoints and learning-rate file.
+The chief of a run creates ``<model>.lock`` (``O_EXCL``) holding its host, pid and start time,
+and keeps its modification time fresh from a thread; a second run that finds it stops with one
+line naming the owner (bad input: exit status 2, nothing written). A lock is stale, and is taken
+over with a log line, when its process is gone (same host) or it was not refreshed for
+:data:`STALE_SECONDS` (another host, whose processes cannot be seen from here: a crashed or
+preempted job's lock does not block its resubmission for longer than that).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Optional
+
+from returnn_tpu.errors import ConfigError
+
+REFRESH_SECONDS = 30.0  # how often the owner touches its lock
+STALE_SECONDS = 120.0  # a lock of another host not touched this long is stale
+
+
+class ModelLock:
+    """The lock of the run that trains ``model_filename``; :meth:`release` (or the process's end)
+    frees it."""
+
+    def __init__(self, model_filename: str, log_file=None):
+        self.path = model_filename + ".lock"
+        self._stop = threading.Event()
+        owner = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n"
+        for _ in range(2):  # the second time after a stale lock was removed
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                why = self._stale()
+                if why is None:
+                    raise ConfigError(f"model {model_filename!r} is in use by another returnn-tpu run "
+                                      f"({self._describe()}); wait for it to end, or remove {self.path} if it is gone")
+                print(f"returnn-tpu: taking over the lock {self.path} ({why})", file=log_file)
+                try:
+                    os.remove(self.path)
+                except FileNotFoundError:
+                    pass  # another run took it over first; the next attempt says so
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(owner)
+            threading.Thread(target=self._refresh, name="returnn_tpu model lock", daemon=True).start()
+            return
+        raise ConfigError(f"model {model_filename!r}: could not take the lock {self.path}; another run is starting")
+
+    def _owner(self) -> Optional[tuple]:
+        try:
+            with open(self.path) as f:
+                host, pid, since = f.read().split()
+            return host, int(pid), float(since)
+        except (OSError, ValueError):
+            return None  # being written, or garbage
+
+    def _describe(self) -> str:
+        owner = self._owner()
+        if not owner:
+            return f"lock file {self.path}"
+        host, pid, since = owner
+        return f"host {host}, pid {pid}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
+
+    def _stale(self) -> Optional[str]:
+        """Why the existing lock is stale, or None if its owner may still run."""
+        try:
+            age = time.time() - os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return "it was just released"
+        owner = self._owner()
+        if owner is None:
+            return f"unreadable, {age:.0f} s old" if age > STALE_SECONDS else None
+        host, pid, _ = owner
+        if host == socket.gethostname():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return f"its process {pid} on this host is gone"
+            except PermissionError:
+                pass  # another user's running process
+            return None
+        return f"host {host} did not refresh it for {age:.0f} s" if age > STALE_SECONDS else None
+
+    def _refresh(self):
+        while not self._stop.wait(REFRESH_SECONDS):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return  # removed by hand: nothing to keep fresh
+
+    def release(self):
+        self._stop.set()
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
