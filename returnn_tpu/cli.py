@@ -6,7 +6,7 @@
 (:mod:`returnn_tpu.selfcheck`).
 
 Exit status: 0 on success, 2 for bad input (one line on stderr naming the option; nothing is
-written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT) stopped it at
+written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT, SIGHUP) stopped it at
 a step boundary.
 """
 
@@ -170,11 +170,12 @@ def train(filename: str, overrides: List[str]) -> int:
         options = distribute_options_from_config(config)
         check_config(config)
         from returnn_tpu.cluster import resolve_cluster
+        from returnn_tpu.launcher import STOP_SIGNALS
         from returnn_tpu.optimizers import optimizer_from_config
         from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
         from returnn_tpu.session_options import apply_session_options
         from returnn_tpu.startup import check_classes, select_backend, use_persistent_xla_cache
-        from returnn_tpu.trainer import Trainer
+        from returnn_tpu.trainer import Stopped, Trainer
 
         if options.jit_compile:
             use_persistent_xla_cache(config)
@@ -206,7 +207,7 @@ def train(filename: str, overrides: List[str]) -> int:
         for message in ignored:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
         trainer = Trainer(config, options, cluster, config_source=(filename, overrides))
-        for signum in (signal.SIGTERM, signal.SIGINT):  # replaces TensorFlow's multi-worker handler
+        for signum in STOP_SIGNALS:  # replaces TensorFlow's multi-worker handler
             signal.signal(signum, trainer.request_stop)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
@@ -216,7 +217,11 @@ def train(filename: str, overrides: List[str]) -> int:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
-        return _training_failure(exc, cluster)
+        try:
+            return _training_failure(exc, cluster)
+        finally:
+            if cluster and cluster.kind == "mpi" and cluster.num_workers > 1 and not isinstance(exc, Stopped):
+                _abort_mpi_job()
     finally:
         if lock:
             lock.release()
@@ -250,6 +255,17 @@ def _has_gpus() -> bool:
     import tensorflow as tf
 
     return bool(tf.config.list_physical_devices("GPU"))
+
+
+def _abort_mpi_job():
+    """Under ``mpirun``, a rank that fails ends the whole job: ``MPI_Abort`` has ``mpirun`` kill
+    every rank (a hung one too), where a normal exit would wait in ``MPI_Finalize`` for a peer
+    that never comes."""
+    from returnn_tpu.cluster.mpi import import_mpi
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    import_mpi().COMM_WORLD.Abort(1)
 
 
 def _training_failure(exc: Exception, cluster) -> int:

@@ -5,7 +5,7 @@ is streamed with a ``[worker i]`` prefix. The launcher and its workers end toget
 
 * when one worker fails, the others get SIGTERM; when one stopped at a signal (status 128 + N),
   the others are stopping at the same step boundary and are waited for;
-* SIGTERM or SIGINT to the launcher is passed on to every worker;
+* SIGTERM, SIGINT or SIGHUP to the launcher is passed on to every worker;
 * a worker still there :data:`GRACE_SECONDS` after its SIGTERM (hung, or stopped with SIGSTOP)
   is killed;
 * the workers get SIGKILL from the kernel if the launcher itself dies (``PR_SET_PDEATHSIG``).
@@ -41,6 +41,9 @@ import time
 from typing import List, Optional
 
 GRACE_SECONDS = 20.0  # from SIGTERM to SIGKILL
+# The signals that stop training at a step boundary with the combined model saved (SIGHUP: a
+# closed terminal or ssh session, and some batch systems' warning before a kill).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -142,7 +145,7 @@ def _run_once(num_workers: int, args: List[str]) -> int:
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     received: List[int] = []  # signals sent to the launcher
     previous = {signum: signal.signal(signum, lambda signum, _: received.append(signum))
-                for signum in (signal.SIGTERM, signal.SIGINT)}
+                for signum in STOP_SIGNALS}
     workers, threads = [], []
     try:
         for index in range(num_workers):

@@ -39,6 +39,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import struct
@@ -56,6 +57,7 @@ WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says 
 HEARTBEAT_SECONDS = 2.0  # how often worker 0's producer tells the other workers that it still runs
 REMOTE_SILENCE_SECONDS = 30.0  # a worker that hears nothing of worker 0's producer this long stops
 CONNECT_SECONDS = 120.0  # how long worker 0's producer waits for the other workers to connect
+SHM_RESERVE_BYTES = 16 * 1024 * 1024  # room left in /dev/shm for others when a block is made
 STOPPED_SECONDS = 30.0  # a producer stopped by a signal this long while training waits is an error
 HANDSHAKE_SECONDS = 10.0  # how long a connecting client may take to prove the key and say hello
 
@@ -91,6 +93,7 @@ class DataProducer:
 
     def __init__(self, config_filename: str, overrides: Sequence[str], *, dataset_key: str, num_replicas: int,
                  first_replica: int, distribution: str, prefetch: int, serve: Optional["ServeOptions"] = None):
+        remove_stale_blocks()
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs TensorFlow
         self._commands, commands_end = context.Pipe()
         self._results = context.Queue(maxsize=prefetch)
@@ -153,8 +156,9 @@ class DataProducer:
             except queue.Empty:
                 waited += LIVENESS_SECONDS
                 if not self._process.is_alive():
+                    bus = " (SIGBUS: is /dev/shm full?)" if self._process.exitcode == -signal.SIGBUS else ""
                     raise ProducerError(f"data producer (pid {self.pid}) died (exit status "
-                                        f"{self._process.exitcode}) while training waited for {what}") from None
+                                        f"{self._process.exitcode}{bus}) while training waited for {what}") from None
                 stopped = stopped + LIVENESS_SECONDS if _is_stopped(self.pid) else 0.0
                 if stopped >= STOPPED_SECONDS:
                     raise ProducerError(f"data producer (pid {self.pid}) has been stopped (SIGSTOP) for "
@@ -444,6 +448,24 @@ def _free_block(name: str):
 _blocks_made = itertools.count()
 
 
+def remove_stale_blocks(log_file=sys.stderr):
+    """Removes the shared memory blocks of producers whose process is gone (a trainer killed by
+    SIGKILL or the OOM killer cannot free what its producer made ahead), as stale checkpoint
+    temporaries are removed."""
+    removed = 0
+    for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}*_*"):
+        pid = os.path.basename(path)[len(BLOCK_PREFIX):].split("_")[0]
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            os.remove(path)
+            removed += 1
+        except OSError:
+            pass  # another user's, or removed meanwhile
+    if removed:
+        print(f"returnn-tpu: removed {removed} shared memory blocks of data producers that are gone", file=log_file)
+
+
 def _put_block(batches: List[dict]):
     """``(name, layout)`` of a new shared memory block holding the arrays of ``batches``."""
     from multiprocessing import resource_tracker, shared_memory
@@ -460,8 +482,18 @@ def _put_block(batches: List[dict]):
             else:
                 entry[key] = (None, None, None, value)
         layout.append(entry)
-    block = shared_memory.SharedMemory(name=f"{BLOCK_PREFIX}{os.getpid()}_{next(_blocks_made)}", create=True,
-                                       size=max(size, 1))
+    # tmpfs gives a block its pages only when they are written, and a full one answers with SIGBUS:
+    # check the room first.
+    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+    try:
+        if free is not None and free < size + SHM_RESERVE_BYTES:
+            raise OSError(28, "not enough room left")
+        block = shared_memory.SharedMemory(name=f"{BLOCK_PREFIX}{os.getpid()}_{next(_blocks_made)}", create=True,
+                                           size=max(size, 1))
+    except OSError as exc:
+        raise ProducerError(f"cannot make a shared memory block of {size / 1e6:.1f} MB for a step's batches in "
+                            f"/dev/shm ({(free or 0) / 1e6:.1f} MB free there): {exc.strerror or exc}; make /dev/shm "
+                            "larger (docker: --shm-size), or set distribute_options['data_producer'] = 'thread'") from None
     # The trainer frees the block; this process's resource tracker must not free it again.
     resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 (CPython's own name for it)
     for offset, value in arrays:
@@ -474,10 +506,10 @@ def _put_block(batches: List[dict]):
 def _serve(setup: dict, commands, results):
     """The producer process: answers the trainer's commands until ``exit`` (or its death)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow looks: the producer computes nothing on a GPU
-    from returnn_tpu.launcher import die_with_parent
+    from returnn_tpu.launcher import STOP_SIGNALS, die_with_parent
 
     die_with_parent()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer decides when to stop
+    for signum in STOP_SIGNALS:  # the trainer decides when to stop
         signal.signal(signum, signal.SIG_IGN)
     workers = None
     try:

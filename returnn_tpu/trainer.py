@@ -50,7 +50,7 @@ STOP_CHECK_STEPS = 10  # with several workers, how often they agree whether one 
 
 
 class Stopped(RuntimeError):
-    """Training stopped at a step boundary because the process got a signal (SIGTERM, SIGINT)."""
+    """Training stopped at a step boundary because the process got a signal (SIGTERM, SIGINT, SIGHUP)."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)

@@ -167,6 +167,36 @@ def test_kill_9_of_an_mpi_rank_ends_the_job_and_it_resumes(tmp_path):
     assert os.path.exists(tmp_path / "out" / f"model.{newest + 1:03d}.index")
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
+def test_a_hung_mpi_rank_ends_the_job_within_a_bound(tmp_path):
+    """SIGSTOP of rank 1 under ``mpirun -np 2``: rank 0 names it as lost and aborts the MPI job,
+    so ``mpirun`` ends (a normal exit of rank 0 would wait in MPI_Finalize for the stopped rank)."""
+    import signal
+
+    from returnn_tpu.strategies.multi_worker import PEER_LOSS_BOUND_SECONDS
+
+    write_config(tmp_path / "train.config", num_seqs="300", num_epochs=50,
+                 options={"param_sync_step": 3, "cluster_resolver": "mpi", "startup_timeout": 120,
+                          "data_producer": "thread"})
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    job = subprocess.Popen(["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m",
+                            "returnn_tpu.cli", "train.config", "++log_verbosity", "5"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in job.stdout:
+        if "train epoch 1, step 2," in line:
+            break
+    rank1 = [pid for pid in _descendants(job.pid) if _environ(pid).get("OMPI_COMM_WORLD_RANK") == "1"
+             and b"returnn_tpu.cli" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGSTOP)
+    stopped = time.time()
+    output, _ = job.communicate(timeout=PEER_LOSS_BOUND_SECONDS + 60)
+    print(f"SIGSTOP of MPI rank 1: mpirun ended after {time.time() - stopped:.1f} s")
+    assert job.returncode != 0
+    assert "lost worker 1" in output, output[-3000:]
+
+
 def _descendants(pid):
     children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
     return children + [d for child in children for d in _descendants(child)]
