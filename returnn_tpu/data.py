@@ -240,8 +240,19 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     for offset in offsets:
         kwargs = {**defaults, "random_seed_offset": offset, **opts}
         Dataset.kwargs_update_from_config(config, kwargs)
-        datasets.append(init_dataset(kwargs))
+        datasets.append(_created(key, kwargs))
     return datasets
+
+
+def _created(key: str, kwargs: dict):
+    """RETURNN's ``init_dataset``; a file it cannot open or read (a missing or truncated HDF file)
+    is bad input, one line naming the dataset."""
+    from returnn.datasets import init_dataset
+
+    try:
+        return init_dataset(kwargs)
+    except OSError as exc:
+        raise ConfigError(f"{key}: RETURNN's {kwargs.get('class')} cannot read its files: {exc}") from None
 
 
 def init_eval_datasets(config) -> list:
@@ -251,7 +262,8 @@ def init_eval_datasets(config) -> list:
 
     datasets = init_datasets(config, "dev") + init_datasets(config, "eval")
     for name, opts in (config.typed_value("eval_datasets", None) or {}).items():
-        datasets.append(init_dataset(opts, default_kwargs={"name": name}))
+        datasets.append(_created(name, {"name": name, **opts}) if isinstance(opts, dict)
+                        else init_dataset(opts, default_kwargs={"name": name}))
     return datasets
 
 

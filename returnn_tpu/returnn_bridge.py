@@ -413,12 +413,16 @@ class NetworkBuilder:
         RETURNN batches differently for recurrent and non-recurrent networks and reads only the
         data keys the network uses; both are known only after construction.
         """
-        from returnn.tf.network import TFNetwork
+        from returnn.tf.network import LayerNotFound, TFNetwork
 
         with tf.Graph().as_default():
             extern_data = extern_data_template(self.config, placeholders=True)
             net = TFNetwork(config=self.config, extern_data=extern_data, train_flag=True, eval_flag=True)
-            net.construct_from_dict(self.net_dict)
+            try:
+                net.construct_from_dict(self.net_dict)
+            except LayerNotFound as exc:  # a "from" (or another reference) naming no layer: the user's typo
+                raise ConfigError(f"network: {str(exc).split(' in <')[0]}; a 'from' or another option names a layer "
+                                  "that the network does not have") from None
             return NetworkInfo(
                 extern_data=extern_data,
                 recurrent=bool(net.recurrent),

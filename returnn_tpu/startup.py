@@ -62,8 +62,16 @@ def load_config(config_filename: str, overrides):
         raise ConfigError(f"config file {config_filename!r} has a Python syntax error in line {exc.lineno}: {exc.msg}") from None
     except NameError as exc:  # RETURNN evaluates an override of a non-string config value as Python
         culprit = next((f"{key} {value}" for key, value in zip(overrides[::2], overrides[1::2])
-                        if getattr(exc, "name", None) and exc.name in value), "a ++key value override")
+                        if getattr(exc, "name", None) and exc.name in value), None)
+        if culprit is None:
+            raise ConfigError(f"config file {config_filename!r} raised {_where(exc, config_filename)}") from None
         raise ConfigError(f"{culprit}: not a Python value ({exc}); quote a string, as in ++key \"'text'\"") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        if "null bytes" in str(exc) or isinstance(exc, UnicodeDecodeError):
+            raise ConfigError(f"config file {config_filename!r} is not a text file of Python ({exc})") from None
+        raise ConfigError(f"config file {config_filename!r} raised {_where(exc, config_filename)}") from None
+    except Exception as exc:  # noqa: BLE001 (the config's own code: the user's error, shown as one line)
+        raise ConfigError(f"config file {config_filename!r} raised {_where(exc, config_filename)}") from None
     config = rnn.config
     backend = config.value("backend", None)
     if backend not in (None, "tensorflow-net-dict"):
@@ -72,6 +80,15 @@ def load_config(config_filename: str, overrides):
             "configs (backend 'tensorflow-net-dict' or use_tensorflow = True)"
         )
     return config
+
+
+def _where(exc: BaseException, config_filename: str) -> str:
+    """``"TypeError: ... (line 12)"``: the exception and the config's line it came from."""
+    import traceback
+
+    lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__)
+             if os.path.abspath(frame.filename) == os.path.abspath(config_filename)]
+    return f"{type(exc).__name__}: {exc}" + (f" (line {lines[-1]})" if lines else "")
 
 
 XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"

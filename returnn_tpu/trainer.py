@@ -20,7 +20,7 @@ import tensorflow as tf
 from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import init_eval_datasets, read_ahead
+from returnn_tpu.data import init_eval_datasets, init_seq_order, read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, optimizer_from_config
@@ -113,6 +113,8 @@ class Trainer:
         self.dev_datasets = init_eval_datasets(config)
         for dataset in self.train_datasets[:1] + self.dev_datasets:
             self._check_data_matches(dataset)
+        for dataset in self.dev_datasets:  # what RETURNN's dataset refuses is found now, not after epoch 1
+            init_seq_order(dataset, 1)
         self.model_filename = config.value("model", None)
         if not self.model_filename:
             raise ConfigError("config option 'model' (where checkpoints go) is missing")

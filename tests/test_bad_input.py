@@ -93,6 +93,18 @@ ROWS = [
     ("", ["--local-workers", "0"], {}, "--local-workers needs a number >= 1, got 0"),
     ("", ["--local-workers", "x"], {}, "argument --local-workers: invalid int value: 'x'"),
     ("", [], {"TF_CONFIG": "BUSY_PORT"}, "is in use by another process"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:70000", "127.0.0.1:2"]},
+                                       "task": {"type": "worker", "index": 0}})}, "a port in 1..65535"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1", "127.0.0.1:2"]},
+                                       "task": {"type": "worker", "index": 0}})}, "must be host:port"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:5", "127.0.0.1:5"]},
+                                       "task": {"type": "worker", "index": 0}})}, "the same address as worker 0"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:5", "no-such-host.invalid:6"]},
+                                       "task": {"type": "worker", "index": 0}})},
+     "worker 1 ('no-such-host.invalid:6'): the host 'no-such-host.invalid' does not resolve"),
+    ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["no-such-host.invalid:5", "127.0.0.1:6"]},
+                                       "task": {"type": "worker", "index": 0}})},
+     "this task's own host 'no-such-host.invalid' does not resolve"),
 ]
 
 

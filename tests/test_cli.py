@@ -184,19 +184,32 @@ LATE_BAD_INPUT = [  # found once TensorFlow or the datasets are up: still status
      "has dim 7"),
     ('distribute_options = {"cluster_resolver": "mpi"}', {"MPI4PY_LIBMPI": "/nonexistent/libmpi.so"},
      "mpi4py cannot load an MPI library (cannot load MPI library /nonexistent/libmpi.so"),
+    # Found by the data producer process (the default path), reported as the trainer's own.
+    ('train = {"class": "Task12AXDataset", "num_seqs": 0}', {},
+     "train: RETURNN's Task12AXDataset refuses its options at epoch 1: assert num_seqs > 0"),
+    # Found before the first step, not after epoch 1; a missing file; a typo in a "from".
+    ('dev = {"class": "Task12AXDataset", "num_seqs": 0}', {},
+     "dev: RETURNN's Task12AXDataset refuses its options at epoch 1: assert num_seqs > 0"),
+    ('dev = {"class": "HDFDataset", "files": ["no-such.hdf"]}', {}, "dev: RETURNN's HDFDataset cannot read its files"),
+    ('network["output"]["from"] = "fw1"', {}, "network: layer 'fw1' not found"),
+    ('learning_rate_file = "garbage.txt"\nopen("garbage.txt", "w").write("{1: x y z}")', {},
+     "learning_rate_file 'garbage.txt' is not a RETURNN learning-rate file"),
 ]
 
 
-@pytest.mark.parametrize("line,env,message", LATE_BAD_INPUT, ids=["num_inputs", "no_mpi_library"])
+@pytest.mark.parametrize("line,env,message", LATE_BAD_INPUT,
+                         ids=["num_inputs", "no_mpi_library", "no_train_seqs", "no_dev_seqs", "no_hdf_file",
+                              "missing_layer", "garbage_lr_file"])
 def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
-    config = SMALL_CONFIG.replace("num_inputs = 9\n", "")
+    config = SMALL_CONFIG.replace("num_inputs = 9\n", "") if line.startswith("num_inputs") else SMALL_CONFIG
     (tmp_path / "train.config").write_text(config + "\n" + line + "\nlog = 'out/train.log'\n")
     result = run_cli(["train.config"], cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [l for l in result.stderr.splitlines() if l.startswith("returnn-tpu: error:")]
     assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    assert os.listdir(tmp_path) == ["train.config"]  # the log it had begun is removed
+    assert sorted(os.listdir(tmp_path)) == sorted(["train.config"] + (["garbage.txt"] if "garbage" in line else []))
+    # (the log it had begun is removed)
 
 
 def test_other_tasks_run_plain_returnn_on_our_checkpoint(tmp_path):

@@ -44,6 +44,24 @@ def test_taken_port_is_skipped():
     assert choose_port(first, attempt=1) >= first + 64  # re-agreement moves to another block
 
 
+def test_a_port_in_time_wait_is_free_for_a_restart():
+    """What a crashed server leaves (a connection it closed, in TIME_WAIT) does not stop an
+    immediate restart on its port: gRPC binds with SO_REUSEADDR, and so does the check."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's server socket has
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: it goes to TIME_WAIT
+        client.close()
+    with socket.socket() as plain:
+        with pytest.raises(OSError):
+            plain.bind(("", port))  # without SO_REUSEADDR the port looks taken
+    assert port_is_free(port)
+
+
 def test_auto_resolver_choice(monkeypatch):
     assert resolve_cluster("auto", {}).kind == "local"
     tf_config = {"cluster": {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}, "task": {"type": "worker", "index": 1}}

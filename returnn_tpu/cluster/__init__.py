@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from typing import List, Mapping, Optional
 
 import tensorflow as tf
@@ -77,6 +78,26 @@ def resolve_cluster(kind: str = "auto", environ: Mapping[str, str] = os.environ)
     raise ConfigError(f"cluster_resolver {kind!r} cannot be used with this strategy; use 'auto', 'tf_config', 'mpi', 'sge' or 'local'")
 
 
+def _check_addresses(cluster: Mapping[str, list], own: tuple):
+    """Every task of TF_CONFIG's cluster is ``host:port`` with a port in 1..65535, no two alike,
+    every host resolves (found here, not after ``startup_timeout``)."""
+    seen = {}
+    for job, addresses in cluster.items():
+        for index, address in enumerate(addresses if isinstance(addresses, list) else [addresses]):
+            where = f"TF_CONFIG cluster {job} {index} ({address!r})"
+            host, _, port = str(address).rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ConfigError(f"{where}: an address must be host:port with a port in 1..65535")
+            if address in seen:
+                raise ConfigError(f"{where}: the same address as {seen[address]}; every task needs its own port")
+            seen[address] = f"{job} {index}"
+            try:
+                socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+            except socket.gaierror as exc:
+                whose = "this task's own host" if (job, index) == own else "the host"
+                raise ConfigError(f"{where}: {whose} {host!r} does not resolve ({exc.strerror})") from None
+
+
 def _tf_config_cluster(environ: Mapping[str, str]) -> Cluster:
     try:
         tf_config = json.loads(environ.get("TF_CONFIG") or "{}")
@@ -92,6 +113,7 @@ def _tf_config_cluster(environ: Mapping[str, str]) -> Cluster:
     if not isinstance(task_index, int) or not 0 <= task_index < len(tasks):
         raise ConfigError(f"TF_CONFIG task index must be an int in 0..{len(tasks) - 1} (the cluster has {len(tasks)} "
                           f"{task_type} tasks), got {task_index!r}")
+    _check_addresses(tf_config["cluster"], own=(task_type, task_index))
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()
     own = spec.task_address(resolver.task_type, resolver.task_id)
