@@ -6,8 +6,8 @@
 (:mod:`returnn_tpu.selfcheck`).
 
 Exit status: 0 on success, 2 for bad input (one line on stderr naming the option; nothing is
-written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT, SIGHUP) stopped it at
-a step boundary.
+written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT, SIGHUP)
+stopped it at a step boundary.
 """
 
 from __future__ import annotations
@@ -220,6 +220,8 @@ def train(filename: str, overrides: List[str]) -> int:
         try:
             return _training_failure(exc, cluster)
         finally:
+            if lock:
+                lock.release()
             if cluster and cluster.kind == "mpi" and cluster.num_workers > 1 and not isinstance(exc, Stopped):
                 _abort_mpi_job()
     finally:

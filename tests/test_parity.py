@@ -77,6 +77,8 @@ def test_same_as_plain_returnn(name, tmp_path, env):
         assert out["our_scores"][key] == pytest.approx(value, rel=tolerance, abs=1e-3), key
     if name in EPOCHS:
         assert_every_epoch_as_plain_returnn(config, tmp_path, EPOCHS[name])
+    if name == "old_style_12ax":
+        assert_plain_returnn_run_continues(config, tmp_path, env)
     # Then it trains distributed (the data on a thread: the producer is not what this tests).
     run("returnn_tpu", config, str(tmp_path / "local_sgd"),
         ["++model", "out/model", "++distribute_strategy", "local_sgd", "++distribute_options",
@@ -94,6 +96,21 @@ def test_initialize_model_writes_what_plain_returnn_writes(tmp_path):
     assert sorted(params["returnn"]) == sorted(params["returnn_tpu"])
     for name, value in params["returnn"].items():
         numpy.testing.assert_allclose(params["returnn_tpu"][name], value, atol=1e-6, rtol=0, err_msg=name)
+
+
+def assert_plain_returnn_run_continues(config, tmp_path, env):
+    """A run that plain RETURNN trained (epoch 1, Adam) continues under returnn-tpu at epoch 2 in
+    the same folder: its parameters load, the optimizer's slots, which plain RETURNN does not
+    save, start fresh with a warning, and epoch 1's record stays as plain RETURNN wrote it."""
+    before = lr_file_scores(tmp_path / "plain/out/lr")
+    result = run("returnn_tpu", config, str(tmp_path / "plain"),
+                 ["++model", "out/model", "++learning_rate_file", "out/lr", "++num_epochs", "2",
+                  "++distribute_strategy", "single"], env=env)
+    assert "start training at epoch 2" in result.stdout
+    assert "has no optimizer state" in result.stdout and "slots start fresh" in result.stdout
+    after = lr_file_scores(tmp_path / "plain/out/lr")
+    assert sorted(after) == [1, 2] and after[1] == before[1]
+    assert os.path.exists(tmp_path / "plain/out/model.002.index")
 
 
 def lr_file_scores(path):
