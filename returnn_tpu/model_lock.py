@@ -45,8 +45,15 @@ class ModelLock:
                 except FileNotFoundError:
                     pass  # another run took it over first; the next attempt says so
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(owner)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(owner)
+            except OSError as exc:  # a full disk: training would fail at its first checkpoint, and say so
+                os.remove(self.path)
+                print(f"returnn-tpu: warning: cannot write the lock {self.path} ({exc.strerror}); running without it",
+                      file=log_file)
+                self.path = None
+                return
             threading.Thread(target=self._refresh, name="returnn_tpu model lock", daemon=True).start()
             return
         raise ConfigError(f"model {model_filename!r}: could not take the lock {self.path}; another run is starting")
@@ -95,6 +102,8 @@ class ModelLock:
 
     def release(self):
         self._stop.set()
+        if self.path is None:
+            return
         try:
             os.remove(self.path)
         except FileNotFoundError:

@@ -73,7 +73,7 @@ def test_demo_trains_and_dev_score_improves(tmp_path):
     # RETURNN (not once per replica and trace); the end says where everything is.
     assert "returnn-tpu: distribute_options in force: {'num_replicas': 4, 'param_sync_step': 10," in log
     assert "an epoch is 4 passes over the training data" in log and "'shard' makes an epoch one pass" in log
-    assert log.count("layer root/'output'") == 1, log.count("layer root/'output'")
+    assert log.count("layer /'output':") == 1, log.count("layer /'output':")
     assert f"returnn-tpu: finished training at epoch 3: model {tmp_path / 'model.003'}" in result.stdout
     # TensorBoard, as RETURNN writes it beside the model: train-<time>/ and dev-<epoch>-<time>/.
     assert tensorboard_tags(tmp_path, "train-*") == {"loss_output", "error_output", "learning_rate", "sync_seconds"}
