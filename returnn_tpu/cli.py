@@ -262,7 +262,7 @@ def _has_gpus() -> bool:
 def _abort_mpi_job():
     """Under ``mpirun``, a rank that fails ends the whole job: ``MPI_Abort`` has ``mpirun`` kill
     every rank (a hung one too), where a normal exit would wait in ``MPI_Finalize`` for a peer
-    that never comes."""
+    that never comes (FACTS.md, "MPI")."""
     from returnn_tpu.cluster.mpi import import_mpi
 
     sys.stdout.flush()

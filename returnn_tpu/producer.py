@@ -327,7 +327,8 @@ class _Workers:
 
         def handshake(sock: socket.socket, address):
             """One client's key check and hello, on a thread of its own: a client that connects
-            and then says nothing holds up only this thread, not the other workers' handshakes."""
+            and then says nothing holds up only this thread, not the other workers' handshakes
+            (FACTS.md, "Serving other workers")."""
             from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
             _receive_timeout(sock, HANDSHAKE_SECONDS)  # a silent client's reads end (the fd stays blocking)

@@ -316,7 +316,8 @@ class Trainer:
     def _restore_optimizer(self, filename: str):
         """The optimizer's state from the checkpoint. One without the slots (plain RETURNN on TF 2
         saves none of its Keras optimizer's state) starts them fresh, with a warning: the step
-        count comes from its ``global_step``, Adam's moments and bias correction restart."""
+        count comes from its ``global_step``, Adam's moments and bias correction restart (FACTS.md,
+        "Plain RETURNN on TF 2.21")."""
         state = self.optimizer.variables()
         saved = checkpoints.variable_names(filename)
         slots = [name for name in state if name not in ("global_step", "optimize/slot_step")]

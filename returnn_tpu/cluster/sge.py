@@ -66,7 +66,8 @@ def conventional_port(job_id: int, task_id: Optional[int], local_rank: int) -> i
 def port_is_free(port: int, host: str = "") -> bool:
     """Whether a TCP server could bind ``port`` now (the TF server binds it a moment later). As
     gRPC binds with ``SO_REUSEADDR``, so does this check: a port in TIME_WAIT (what a crashed
-    server leaves) is free for it, one that a process listens on is not."""
+    server leaves) is free for it, one that a process listens on is not (FACTS.md, "Ports in
+    TIME_WAIT")."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
