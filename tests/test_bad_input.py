@@ -67,6 +67,7 @@ ROWS = [
     ("use_horovod = True", [], {}, "'use_horovod' (Horovod (use distribute_strategy instead)) is not supported"),
     ('backend = "torch"', [], {}, "backend 'torch' is not supported"),
     ('task = "train"\nif True:\nx = 1', [], {}, "Python syntax error in line"),
+    ('raise RuntimeError("corpus not mounted")', [], {}, "raised RuntimeError: corpus not mounted (line"),
     ('extern_data = {"data": {"dim_tags": ["T"]}}', [], {}, "must be a list of Dim objects"),
     ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                                        "task": {"type": "worker", "index": 5}})}, "TF_CONFIG task index must be"),
