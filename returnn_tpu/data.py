@@ -191,9 +191,10 @@ def init_seq_order(dataset, epoch: int):
         import traceback
 
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        check = f"{where.line} ({os.path.basename(where.filename)}:{where.lineno})" if where.line else str(exc)
+        detail = f": {exc}" if str(exc) else ""
         raise ConfigError(f"{dataset.name}: RETURNN's {type(dataset).__name__} refuses its options at epoch {epoch}: "
-                          f"{check}{': ' + str(exc) if str(exc) and where.line else ''}") from None
+                          f"{where.line or 'an assertion'} ({os.path.basename(where.filename)}:{where.lineno})"
+                          f"{detail}") from None
 
 
 def default_bucket_boundaries(dataset, key: str, num_buckets: int = 4, max_seqs: int = 2000) -> List[int]:
@@ -219,7 +220,7 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     ``train`` there is one instance per local replica, each with its own offset; otherwise one.
     Returns [] if the config has no such key.
     """
-    from returnn.datasets import Dataset, init_dataset
+    from returnn.datasets import Dataset
 
     opts = config.typed_value(key, None)
     if opts is None:
@@ -235,35 +236,33 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     if not isinstance(opts, dict):
         if len(offsets) > 1:
             raise ConfigError(f"{key} must be a dict for dataset_distribution 'random_seed_offset', got {opts!r}")
-        return [init_dataset(opts, default_kwargs=defaults)]
+        return [_init_dataset(key, opts, defaults)]
     datasets = []
     for offset in offsets:
         kwargs = {**defaults, "random_seed_offset": offset, **opts}
         Dataset.kwargs_update_from_config(config, kwargs)
-        datasets.append(_created(key, kwargs))
+        datasets.append(_init_dataset(key, kwargs))
     return datasets
 
 
-def _created(key: str, kwargs: dict):
+def _init_dataset(key: str, opts, defaults: Optional[dict] = None):
     """RETURNN's ``init_dataset``; a file it cannot open or read (a missing or truncated HDF file)
     is bad input, one line naming the dataset."""
     from returnn.datasets import init_dataset
 
     try:
-        return init_dataset(kwargs)
+        return init_dataset(opts, default_kwargs=defaults)
     except OSError as exc:
-        raise ConfigError(f"{key}: RETURNN's {kwargs.get('class')} cannot read its files: {exc}") from None
+        what = opts.get("class") if isinstance(opts, dict) else opts
+        raise ConfigError(f"{key}: RETURNN's {what} cannot read its files: {exc}") from None
 
 
 def init_eval_datasets(config) -> list:
     """The datasets RETURNN evaluates after each training epoch, in its order: ``dev``, ``eval``
     (both with RETURNN's defaults for evaluation) and each of ``eval_datasets`` (name -> options)."""
-    from returnn.datasets import init_dataset
-
     datasets = init_datasets(config, "dev") + init_datasets(config, "eval")
     for name, opts in (config.typed_value("eval_datasets", None) or {}).items():
-        datasets.append(_created(name, {"name": name, **opts}) if isinstance(opts, dict)
-                        else init_dataset(opts, default_kwargs={"name": name}))
+        datasets.append(_init_dataset(name, opts, {"name": name}))
     return datasets
 
 

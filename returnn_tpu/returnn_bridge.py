@@ -496,8 +496,8 @@ class NetworkBuilder:
 
 @contextlib.contextmanager
 def _layer_templates_unlogged():
-    """RETURNN's log below verbosity 2 off: the layer templates (``layer root/'fw0': [B,T,F]``) that
-    it prints at every construction, here once per replica and trace. :meth:`NetworkBuilder.inspect`
+    """RETURNN's log at verbosity 3 and above off: the layer templates (``layer /'fw0': [B,T,F]``)
+    that it prints at every construction, here once per replica and trace. :meth:`NetworkBuilder.inspect`
     builds each network once with the log on, so the log has them once, as plain RETURNN's has."""
     from returnn.log import StreamDummy, log
 

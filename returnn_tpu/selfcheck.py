@@ -2,8 +2,8 @@
 
 Lists the devices TensorFlow sees, then runs a few training steps of a built-in tiny network
 (an LSTM on RETURNN's 12AX task) with every strategy that can run here, one after the other in
-one fresh process (the CPU split into logical devices once), each row printed as it ends: ``single``, ``mirrored`` and ``local_sgd``,
-with and without XLA; ``local_sgd_tpu``'s in-step program on local devices; ``tpu`` and
+one fresh process (the CPU split into logical devices once), each row printed as it ends:
+``single``, ``mirrored`` and ``local_sgd``, with and without XLA; ``local_sgd_tpu``'s in-step program on local devices; ``tpu`` and
 ``local_sgd_tpu`` where a TPU is found; and two local workers (``--local-workers 2``). For each:
 devices, median step time, whether the replicas' parameters are equal after a sync (for
 synchronous strategies: after the steps), pass or fail. The exit status is 1 if any row fails.
@@ -25,7 +25,7 @@ import time
 from typing import Iterator, List, Optional
 
 STEPS = 12  # train steps per row
-TIMEOUT_SECONDS = 600  # per row
+TIMEOUT_SECONDS = 600  # per row (the process of all rows gets this times their number)
 
 TINY_CONFIG = {  # an LSTM on RETURNN's 12AX task; local SGD for the two-worker row
     "train": {"class": "Task12AXDataset", "num_seqs": 80},

@@ -66,11 +66,9 @@ def load_config(config_filename: str, overrides):
         if culprit is None:
             raise ConfigError(f"config file {config_filename!r} raised {_where(exc, config_filename)}") from None
         raise ConfigError(f"{culprit}: not a Python value ({exc}); quote a string, as in ++key \"'text'\"") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        if "null bytes" in str(exc) or isinstance(exc, UnicodeDecodeError):
-            raise ConfigError(f"config file {config_filename!r} is not a text file of Python ({exc})") from None
-        raise ConfigError(f"config file {config_filename!r} raised {_where(exc, config_filename)}") from None
     except Exception as exc:  # noqa: BLE001 (the config's own code: the user's error, shown as one line)
+        if isinstance(exc, UnicodeDecodeError) or "null bytes" in str(exc):  # a binary file
+            raise ConfigError(f"config file {config_filename!r} is not a text file of Python ({exc})") from None
         raise ConfigError(f"config file {config_filename!r} raised {_where(exc, config_filename)}") from None
     config = rnn.config
     backend = config.value("backend", None)

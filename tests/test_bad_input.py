@@ -149,6 +149,7 @@ def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys
     import time
 
     from returnn_tpu import cli
+    from returnn_tpu.errors import ConfigError
     from returnn_tpu.model_lock import STALE_SECONDS, ModelLock
 
     (tmp_path / "train.config").write_text(SMALL_CONFIG)
@@ -172,5 +173,5 @@ def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys
         taken.release()
         assert not lock.exists()
     lock.write_text("other-host 1 0\n")  # refreshed just now: its owner may run
-    with pytest.raises(Exception, match="in use by another returnn-tpu run \\(host other-host, pid 1"):
+    with pytest.raises(ConfigError, match="in use by another returnn-tpu run \\(host other-host, pid 1"):
         ModelLock(str(tmp_path / "out" / "model"))
