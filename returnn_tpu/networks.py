@@ -103,7 +103,10 @@ class EpochNetworks:
         return rate
 
     def apply_config_updates(self, net_dict: Dict[str, Any]) -> Set[str]:
-        """Applies a network dict's ``#config`` entries to the config, as RETURNN does; returns the keys."""
+        """Applies a network dict's ``#config`` entries to the config, as RETURNN does; returns the keys.
+        A refused option set there stops training as one set in the config does."""
+        from returnn_tpu.startup import check_supported
+
         updates = net_dict.get("#config", {}) or {}
         for key, value in updates.items():
             if key in _DATASET_KEYS:
@@ -111,6 +114,7 @@ class EpochNetworks:
                     f"network '#config' sets {key!r}; changing datasets between epochs is not supported by returnn-tpu"
                 )
             self.config.typed_dict[key] = value
+        check_supported(self.config)
         return set(updates)
 
     def model_filename(self, model: str, epoch: int) -> str:

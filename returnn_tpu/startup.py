@@ -16,19 +16,16 @@ import re
 import tempfile
 from typing import Optional, Set
 
+from returnn_tpu.config_keys import REFUSED
 from returnn_tpu.errors import ConfigError
 
 TASKS = ("train", "initialize_model")  # the tasks returnn-tpu runs itself; cli hands others to RETURNN
 
-# Options that change what is trained and that this trainer does not implement: stop, don't ignore.
-UNSUPPORTED_TRAINING_OPTIONS = {
-    "update_batch_size": "update_batch_size",
-    "use_horovod": "Horovod (use distribute_strategy instead)",
-    "use_last_best_model": "use_last_best_model",
-    "global_norm_tag": "global norms per tag",
-    "gradient_clip_global_norm_tag": "global norms per tag",
-    "decouple_constraints": "decoupled constraints (L2 as weight decay)",
-}
+# Options that change what is trained and that this trainer does not implement: stop, don't ignore
+# (the REFUSED class of the table of every option RETURNN's TF training reads).
+UNSUPPORTED_TRAINING_OPTIONS = REFUSED
+# RETURNN reads these only when the config has no ``optimizer``.
+_OLD_OPTIMIZER_FLAGS = ("adadelta", "adagrad", "rmsprop")
 
 # (option, whether it is an int, what is valid, the test): numbers RETURNN reads with int()/float().
 NUMBERS = (
@@ -196,11 +193,23 @@ def check_supported(config):
                 raise ConfigError(f"extern_data[{key!r}][{field!r}] must be a list of Dim objects "
                                   f"(returnn.tensor.Dim, batch_dim), got {dims!r}")
     for key, what in UNSUPPORTED_TRAINING_OPTIONS.items():
-        if config.typed_value(key, None) not in (None, False, 0):
+        if _turned_on(config, key):
             raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")
     accum = config.typed_value("accum_grad_multiple_step", None)
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 0):
         raise ConfigError(f"accum_grad_multiple_step must be an int >= 1, got {accum!r}")
+
+
+def _turned_on(config, key: str) -> bool:
+    """Whether the config sets a refused option to a value with which RETURNN's training differs
+    from returnn-tpu's (RETURNN's default, off: None, False, 0, empty, is what returnn-tpu does)."""
+    value = config.typed_value(key, None)
+    if key == "preload_from_files":  # in training, RETURNN loads only the entries with init_for_train
+        return isinstance(value, dict) and any(isinstance(opts, dict) and opts.get("init_for_train")
+                                               for opts in value.values())
+    if key in _OLD_OPTIMIZER_FLAGS:
+        return bool(value) and not config.typed_value("optimizer", None)
+    return bool(value)
 
 
 def check_classes(config):

@@ -65,6 +65,8 @@ ROWS = [
     ('optimizer = {"class": "adagradd"}', [], {}, "optimizer class 'adagradd' is not supported"),
     ('optimizer = {"class": "adam", "beta_1": 0.9}', [], {}, "got unsupported options ['beta_1']"),
     ("use_horovod = True", [], {}, "'use_horovod' (Horovod (use distribute_strategy instead)) is not supported"),
+    ("search_train_network_layers = ['output']", [], {},
+     "config option 'search_train_network_layers' (training through search) is not supported by returnn-tpu yet"),
     ('backend = "torch"', [], {}, "backend 'torch' is not supported"),
     ('task = "train"\nif True:\nx = 1', [], {}, "Python syntax error in line"),
     ('raise RuntimeError("corpus not mounted")', [], {}, "raised RuntimeError: corpus not mounted (line"),
