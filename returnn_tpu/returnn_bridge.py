@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import threading
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
@@ -56,7 +57,81 @@ def setup_returnn():
 
     tf_values.DistributedVariable.set_shape = set_shape_if_compatible
     _make_returnn_gradients_tape_aware()
+    _make_the_trace_returnns_root_graph()
     _RETURNN_READY = True
+
+
+def _make_the_trace_returnns_root_graph():
+    """RETURNN's "outside of every loop" is the trace, not the graph the trace was started from.
+
+    RETURNN builds what must not depend on a loop iteration (dropout masks of a fully static noise
+    shape, weight noise, the LSTM cells' initial states, its random generator) in its *root graph*,
+    which with control flow v2 it finds by leaving every function graph. In a TF1 graph that is the
+    network's graph; in a ``tf.function`` it is the graph outside the trace, whose tensors the trace
+    cannot use ("out of scope"). The root is now the innermost graph that is not a loop or branch
+    body: the trace itself, as the TF1 graph was (FACTS.md, "RETURNN's root graph").
+
+    RETURNN's random generator (weight noise, stateless dropout) is a variable it creates in that
+    root graph; here each replica's network build gets a :class:`StepRandomSource` instead. A layer
+    whose parameter is such a noisy tensor finds its variable again by the variable's handle, which
+    in a trace is the handle's capture.
+    """
+    from returnn.tf.util import basic as tf_util
+    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+
+    get_root_graph = tf_util.get_root_graph
+
+    def root_graph_of_the_trace(graph=None):
+        graph = graph if graph is not None else tf.compat.v1.get_default_graph()
+        while isinstance(graph, ControlFlowFuncGraph):
+            graph = graph.outer_graph
+        return graph if graph.building_function else get_root_graph(graph)
+
+    tf_util.get_root_graph = root_graph_of_the_trace
+    get_global_random_generator = tf_util.get_global_random_generator
+
+    def replica_random_generator(*, create: bool = True):
+        generator = getattr(_BUILDING, "random_generator", None)
+        return generator if generator is not None else get_global_random_generator(create=create)
+
+    tf_util.get_global_random_generator = replica_random_generator
+    var_handle_or_ref = tf_util.var_handle_or_ref
+
+    def var_handle_in_the_trace(var):
+        # A layer whose parameter is a tensor (weight noise, weight dropout) finds its variable by
+        # walking back to the variable's handle; in a trace that is the handle's capture.
+        graph = tf_util.get_root_graph()
+        if graph.building_function:
+            return graph.capture(var.handle)
+        return var_handle_or_ref(var)
+
+    tf_util.var_handle_or_ref = var_handle_in_the_trace
+
+
+_BUILDING = threading.local()  # the random source of the network being built (on this replica's thread)
+
+
+class StepRandomSource:
+    """What RETURNN's random generator gives its ``StatelessRandomSeed``, without a state variable.
+
+    RETURNN draws a (key, counter) pair from a ``tf.random.Generator`` whose state advances at every
+    draw. A variable of that kind, created inside a replica's trace, would be shared by the replicas
+    or need a strategy of its own; instead the key is the replica's network seed and the counter is
+    (update step, draw within this build), so every replica, update and draw gets its own numbers,
+    reproducibly. The micro-batches of one ``accum_grad_multiple_step`` update share them.
+    """
+
+    algorithm = 1  # Philox, TensorFlow's default generator algorithm (its counter is two uint64)
+
+    def __init__(self, seed: int, step: Optional[tf.Variable]):
+        self.seed, self.step, self.draws = seed, step, 0
+
+    def _prepare_key_counter(self, shape):
+        del shape  # each draw has a counter of its own, whatever its size
+        self.draws += 1
+        step = tf.zeros([], tf.int64) if self.step is None else tf.cast(self.step, tf.int64)
+        counter = tf.bitcast(tf.stack([step, tf.constant(self.draws, tf.int64)]), tf.uint64)
+        return tf.constant([self.seed], tf.uint64), counter
 
 
 def _make_returnn_gradients_tape_aware():
@@ -350,7 +425,12 @@ def fresh_dims(config) -> Dict[int, Any]:
         named = list(opts.get("dim_tags") or opts.get("dims") or []) + list((opts.get("same_dim_tags_as") or {}).values())
         for dim in named:
             if isinstance(dim, Dim) and dim is not batch_dim and dim.dimension is None and id(dim) not in memo:
-                memo[id(dim)] = Dim(None, name=dim.name, kind=dim.kind)
+                memo[id(dim)] = copied = Dim(None, name=dim.name, kind=dim.kind)
+                # Undefined like the dims a Tensor makes for itself without placeholders, which
+                # same_dim_tags_as declares the same as this one: a defined dim and an undefined one
+                # each defer to the other in RETURNN's declare_same_as, forever. build() defines
+                # them all once their sizes are set.
+                copied._extra.undefined = True
     return memo
 
 
@@ -474,7 +554,9 @@ class NetworkBuilder:
         else:  # the batch info of extern_data_template is a stand-in, which its dims refer to
             extern_data.get_batch_info().dim = batch
             extern_data.init_batch_info()
-        with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator), _layer_templates_unlogged():
+        random_source = StepRandomSource(self.net_seed + 1000 * replica_id, global_step)
+        with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator), _layer_templates_unlogged(), \
+                _drawing_from(random_source):
             net = TFNetwork(
                 config=self.config,
                 extern_data=extern_data,
@@ -492,6 +574,16 @@ class NetworkBuilder:
             # RETURNN reads the TRAINABLE_VARIABLES collection here, so ask while it is ours.
             params = sorted((v.name.split(":")[0], v) for v in net.get_trainable_params())
         return net, params
+
+
+@contextlib.contextmanager
+def _drawing_from(random_source: StepRandomSource) -> Iterator[None]:
+    """RETURNN's random generator is ``random_source`` while a network is built on this thread."""
+    _BUILDING.random_generator = random_source
+    try:
+        yield
+    finally:
+        _BUILDING.random_generator = None
 
 
 @contextlib.contextmanager

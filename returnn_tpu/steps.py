@@ -88,7 +88,6 @@ class ReplicaSteps:
         self._jit_forward_backward = (
             tf.function(self._forward_backward_xla, autograph=False, jit_compile=True) if jit_compile else None
         )
-        self._accumulate = tf.function(self._accumulate_fn, autograph=False, reduce_retracing=not jit_compile)
         self._evaluate = tf.function(self._evaluate_fn, autograph=False, reduce_retracing=not jit_compile)
         self._jit_evaluate = tf.function(self._evaluate_xla, autograph=False, jit_compile=True) if jit_compile else None
         self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
@@ -118,8 +117,13 @@ class ReplicaSteps:
         """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
         traces the train step, on one batch per local replica."""
         batches = self.distribute(first_step)
+        # XLA compiles per shape anyway (buckets); otherwise one trace for all shapes. The batch and
+        # time dims stay open in the trace that creates the variables, too: RETURNN's TF1 graphs
+        # never know them, and a static batch size taken from this trace (an LSTM's initial state
+        # in a loop) would not fit the loop's (FACTS.md, "Traces per shape").
+        signature = batches if self.jit_compile else varying_shapes_spec(batches)
         self.optimizer.create_step(self.strategy)
-        self.replica_gradients.get_concrete_function(batches)
+        self.replica_gradients.get_concrete_function(signature)
         self.optimizer.create_state(self.strategy, list(self.trainable().values()))
         if self.accumulators is not None:
             with self.strategy.scope():
@@ -142,12 +146,12 @@ class ReplicaSteps:
         if self.local_sgd:
             self.fragments = split_into_fragments(sizes, self.num_fragments)
             self.averaging.create_state(self.strategy, self.trainable())
-        # XLA compiles per shape anyway (buckets); otherwise one trace for all shapes.
-        signature = batches if self.jit_compile else varying_shapes_spec(batches)
         self._train.get_concrete_function(*self._train_args(signature, 0.0, None))
 
-    def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue]) -> tuple:
+    def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue], update: bool = True) -> tuple:
         args = (batches, tf.constant(learning_rate, tf.float32))
+        if self.accumulators is not None:  # a micro-batch only adds its gradients to the sums
+            args += (tf.constant(update),)
         if self.in_step and self.local_sgd:  # which fragments the step syncs, decided by the host
             args += (tf.constant([i in (due.fragments if due else ()) for i in range(self.num_fragments)]),)
         return args
@@ -175,13 +179,24 @@ class ReplicaSteps:
 
     def accumulate(self, step_batches: List) -> Dict:
         """A micro-batch of ``accum_grad_multiple_step``: adds each replica's gradients to its sums,
-        without an update. Returns the per-replica metrics."""
-        return self._accumulate(self.distribute(step_batches))
+        without an update. Returns the per-replica metrics.
+
+        The train step itself, told not to update: as in RETURNN's one graph, every micro-batch runs
+        the same random ops, so each draws new dropout masks (a function of its own would repeat
+        the train step's masks) and the network is traced once, not twice."""
+        return self._train(*self._train_args(self.distribute(step_batches), 0.0, None, update=False))
 
     def evaluate(self, step_batches: List, weights: List[float]) -> Dict:
         """Per-replica metrics of the eval network, each replica's scaled by its weight (0: padding)."""
         weights = self.distribute([tf.constant(w, tf.float32) for w in weights])
-        return self._evaluate(self.distribute(step_batches), weights)
+        return self._call_with_open_shapes(self._evaluate, self.distribute(step_batches), weights)
+
+    def _call_with_open_shapes(self, function, *args):
+        """Calls ``function``, whose first trace (without XLA, which compiles per bucket shape) has
+        the batch and time dims open, as in :meth:`create_variables`."""
+        if not self.jit_compile and function.experimental_get_tracing_count() == 0:
+            function.get_concrete_function(*varying_shapes_spec(args))
+        return function(*args)
 
     def sync(self, due: SyncDue, learning_rate: float):
         """Combines the copies as ``due`` says (between steps; local SGD)."""
@@ -255,30 +270,33 @@ class ReplicaSteps:
         self.trainable_names = names
         return dict(zip(names, grads)), loss_metrics(net, train=True)
 
-    def _replica_update_gradients(self, batch):
+    def _replica_update_gradients(self, batch, update=True):
         """One replica's final gradients of an update: its micro-batch sums (if accumulating) plus
-        this batch's, with RETURNN's noise and clipping. Returns them and the metrics."""
+        this batch's, with RETURNN's noise and clipping. Returns them, the metrics and whether they
+        are finite. With ``update`` False (a micro-batch) the sums keep this batch's gradients."""
         grads, metrics = self._replica_train(batch)
         names = sorted(grads)
         batch_grads = grad_list = [grads[name] for name in names]
         if self.accumulators is not None:
             sums = [self.accumulators[name] for name in names]
             grad_list = [acc.read_value() + grad for acc, grad in zip(sums, grad_list)]
-            with tf.control_dependencies(grad_list):
-                resets = [acc.assign(tf.zeros_like(acc)) for acc in sums]
-            with tf.control_dependencies(resets):
+            with tf.control_dependencies(grad_list):  # an update starts the next sums from zero
+                stores = [acc.assign(tf.where(update, tf.zeros_like(grad), grad)) for acc, grad in zip(sums, grad_list)]
+            with tf.control_dependencies(stores):
                 grad_list = [tf.identity(grad) for grad in grad_list]
         grad_list = self.gradients.final(grad_list, batch_grads)
-        finite, metrics = self._check_finite(grad_list, metrics)
+        finite, metrics = self._check_finite(grad_list, metrics, update)
         return dict(zip(names, grad_list)), metrics, finite
 
-    def _check_finite(self, grad_list, metrics):
+    def _check_finite(self, grad_list, metrics, update):
         """In replica context: whether this update's loss and gradients are finite, counted when not
         (FACTS.md, "Non-finite updates"), and the metrics, zero for a non-finite update so that
-        the epoch's scores are those of the updates made."""
+        the epoch's scores are those of the updates made. A micro-batch is not checked: its
+        gradients are part of the next update's, which is."""
         loss = tf.add_n([tf.cast(v, tf.float32) for k, v in sorted(metrics.items()) if k.startswith("cost:")] or
                         [tf.zeros([])])
         finite = tf.math.is_finite(loss) & tf.math.is_finite(tf.linalg.global_norm(grad_list))
+        finite = finite | tf.logical_not(update)
         bad = tf.cast(tf.logical_not(finite), tf.int64)
         first_step, count = self.nonfinite["first_step"], self.nonfinite["count"]
         is_first = tf.logical_and(tf.logical_not(finite), tf.equal(count.read_value(), 0))
@@ -292,23 +310,25 @@ class ReplicaSteps:
             metrics = {key: tf.where(finite, value, tf.zeros_like(value)) for key, value in metrics.items()}
         return finite, metrics
 
-    def _replica_accumulate(self, batch):
-        grads, metrics = self._replica_train(batch)
-        with tf.control_dependencies([self.accumulators[name].assign_add(grad) for name, grad in grads.items()]):
-            # A non-finite micro-batch is caught at the update, whose sums it is part of.
-            return {key: tf.identity(value) for key, value in metrics.items()}
-
-    def _accumulate_fn(self, batch):
-        return self.strategy.run(self._replica_accumulate, args=(batch,))
-
-    def _train_fn(self, batch, learning_rate):
-        grads, metrics, finite = self.strategy.run(self._replica_update_gradients, args=(batch,))
+    def _train_fn(self, batch, learning_rate, update=None):
+        """An update (``update`` None or True) or, with ``accum_grad_multiple_step``, a micro-batch."""
+        grads, metrics, finite = self.strategy.run(
+            self._replica_update_gradients, args=(batch,) if update is None else (batch, update)
+        )
         grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
-        if not self.local_sgd:  # one replica's non-finite gradient spoils the mean: all skip
-            bad = self.strategy.run(lambda ok: tf.cast(tf.logical_not(ok), tf.int32), args=(finite,))
-            finite = tf.equal(self.strategy.reduce(tf.distribute.ReduceOp.SUM, bad, axis=None), 0)
-        # Runs although unused: tf.function keeps stateful ops.
-        self.optimizer.apply(self.strategy, grads_and_vars, learning_rate, reduce=not self.local_sgd, apply_if=finite)
+
+        def apply():
+            ok = finite
+            if not self.local_sgd:  # one replica's non-finite gradient spoils the mean: all skip
+                bad = self.strategy.run(lambda ok: tf.cast(tf.logical_not(ok), tf.int32), args=(finite,))
+                ok = tf.equal(self.strategy.reduce(tf.distribute.ReduceOp.SUM, bad, axis=None), 0)
+            with tf.control_dependencies([self.optimizer.apply(self.strategy, grads_and_vars, learning_rate,
+                                                               reduce=not self.local_sgd, apply_if=ok)]):
+                return tf.constant(True)
+
+        # Runs although unused: tf.function keeps stateful ops. A micro-batch neither updates nor
+        # all-reduces (the same decision on every worker, so their collectives stay in step).
+        tf.cond(update, apply, lambda: tf.constant(False)) if update is not None else apply()
         return metrics
 
     def _train_in_replica_fn(self, batch, learning_rate, due=None):
