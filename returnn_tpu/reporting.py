@@ -35,6 +35,8 @@ class EpochStats:
     step_seconds: float = 0.0  # in the train steps (syncs included): RETURNN's "computing time"
     data_wait_seconds: float = 0.0  # waiting for the next batch
     data_making_seconds: float = 0.0  # making the batch lists (a producer does so while the epoch before trains)
+    trace_seconds: float = 0.0  # building the network in every replica's trace (at the start, at a network change)
+    startup_seconds: Optional[float] = None  # the process's first epoch: from its start to the first step's end
 
     @property
     def computing_time_share(self) -> float:
@@ -233,7 +235,10 @@ class EpochReport:
                       skipped_nonfinite_updates=stats.skipped_nonfinite, threads=process_threads(),
                       computing_time_share=round(stats.computing_time_share, 4),
                       data_wait_seconds=round(stats.data_wait_seconds, 3),
-                      data_making_seconds=round(stats.data_making_seconds, 3))
+                      data_making_seconds=round(stats.data_making_seconds, 3),
+                      trace_seconds=round(stats.trace_seconds, 3))
+        if stats.startup_seconds is not None:
+            record["startup_seconds"] = round(stats.startup_seconds, 3)
         record.update(extra or {})
         for name, result in dev_results.items():
             record[f"{name}_score"] = single_or_dict(result["score"])

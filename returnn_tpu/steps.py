@@ -120,7 +120,7 @@ class ReplicaSteps:
         # XLA compiles per shape anyway (buckets); otherwise one trace for all shapes. The batch and
         # time dims stay open in the trace that creates the variables, too: RETURNN's TF1 graphs
         # never know them, and a static batch size taken from this trace (an LSTM's initial state
-        # in a loop) would not fit the loop's (FACTS.md, "Traces per shape").
+        # in a loop) would not fit the loop's (FACTS.md, "RETURNN's root graph").
         signature = batches if self.jit_compile else varying_shapes_spec(batches)
         self.optimizer.create_step(self.strategy)
         self.replica_gradients.get_concrete_function(signature)
@@ -183,7 +183,8 @@ class ReplicaSteps:
 
         The train step itself, told not to update: as in RETURNN's one graph, every micro-batch runs
         the same random ops, so each draws new dropout masks (a function of its own would repeat
-        the train step's masks) and the network is traced once, not twice."""
+        the train step's masks; FACTS.md, "RETURNN's root graph") and the network is traced once.
+        """
         return self._train(*self._train_args(self.distribute(step_batches), 0.0, None, update=False))
 
     def evaluate(self, step_batches: List, weights: List[float]) -> Dict:

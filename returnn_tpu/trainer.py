@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy
 import tensorflow as tf
 
+import returnn_tpu
 from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
@@ -141,6 +142,7 @@ class Trainer:
         )
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
         self.stop_signal: Optional[int] = None  # set by request_stop
+        self._stepped = False  # whether this process has made a train step
         self._built = False
         self._resume_epoch = 0  # the epoch of the checkpoint to restore when the variables are created
         self._resume_prefix: Optional[str] = None  # that checkpoint (an epoch's, or an interrupted epoch's)
@@ -292,7 +294,12 @@ class Trainer:
 
     def _build(self, step_batches: List):
         """Creates all variables and traces the train step; restores the checkpoint when resuming."""
+        start = time.perf_counter()
+        replicas = self.strategy.num_replicas_in_sync
+        print(f"building the network for {replicas} replica{'s' if replicas > 1 else ''} and tracing the train "
+              "step ...", file=self.log.v2)
         self.steps.create_variables(step_batches)
+        print(f"network built and train step traced in {time.perf_counter() - start:.1f} s", file=self.log.v2)
         self._built = True
         copy_mode = self.networks.copy_param_mode(self.builder.net_dict, self._network_epoch)
         carry_over(self.builder.variables, copy_mode, self.first_copy, log_file=self.log.v3)
@@ -476,12 +483,14 @@ class Trainer:
 
         Returns the step's per-replica metrics (see :func:`loss_metrics`).
         """
+        stats = stats or EpochStats()
         if not self._built:
+            build_start = time.perf_counter()
             self._build(step_batches)
+            stats.trace_seconds += time.perf_counter() - build_start
             if self.micro_steps == 0 and self.config.bool("save_epoch1_initial_model", False) and self.cluster.is_chief:
                 # RETURNN's option: the parameters before epoch 1's first update, as model.000
                 checkpoints.save(self.networks.model_filename(self.model_filename, 0), self.model_state())
-        stats = stats or EpochStats()
         stats.steps += 1
         self.micro_steps += 1
         if self.micro_steps % self.accum_grad_steps:  # RETURNN applies on every N-th global step
@@ -516,6 +525,8 @@ class Trainer:
             step_start = time.perf_counter()
             stats.data_wait_seconds += step_start - waited_since
             metrics = self.train_step(step_batches, learning_rate, stats)
+            if not self._stepped:  # the process's first step: what starting took, as the user waited
+                stats.startup_seconds, self._stepped = time.perf_counter() - returnn_tpu.STARTED, True
             scores.add(metrics)
             stats.step_seconds += time.perf_counter() - step_start
             if (step + 1) % NONFINITE_CHECK_STEPS == 0:
