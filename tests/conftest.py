@@ -80,6 +80,12 @@ def replica_values(strategy, var):
     return [c.numpy() for c in strategy.experimental_local_results(var)]
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a long run (several processes, or whole epochs); `-m 'not slow'` is the quick suite, "
+        ".ci/run runs both")
+
+
 @pytest.fixture
 def rng():
     import numpy

@@ -43,6 +43,7 @@ def read_metrics(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_demo_trains_and_dev_score_improves(tmp_path):
     """The bundled demo, for 3 of its 5 epochs (the test's time)."""
     result = run_cli([DEMO, "++model", str(tmp_path / "model"), "++learning_rate_file", str(tmp_path / "lr"),
@@ -90,6 +91,7 @@ def tensorboard_tags(folder, pattern):
     return {value.tag for path in files for event in summary_iterator(path) for value in event.summary.value}
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     (tmp_path / "train.config").write_text(SMALL_CONFIG)
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
@@ -114,6 +116,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     assert not [f for f in os.listdir(tmp_path / "out") if ".tmp-" in f]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
     """SIGTERM mid-epoch: a checkpoint of the combined model at the next step boundary, exit 143;
     running the command again continues that epoch at that step, and ends where an uninterrupted
@@ -213,6 +216,7 @@ def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
     # (the log it had begun is removed)
 
 
+@pytest.mark.slow
 def test_other_tasks_run_plain_returnn_on_our_checkpoint(tmp_path):
     """``++task eval`` is handed to plain RETURNN, which loads the checkpoint returnn-tpu wrote."""
     (tmp_path / "train.config").write_text(SMALL_CONFIG)
@@ -224,6 +228,7 @@ def test_other_tasks_run_plain_returnn_on_our_checkpoint(tmp_path):
     assert "dev: score" in result.stdout
 
 
+@pytest.mark.slow
 def test_check_runs_every_strategy_this_machine_allows(tmp_path):
     """``returnn-tpu --check``: the device list and one passing row per strategy (no TPU here)."""
     result = run_cli(["--check"], cwd=tmp_path, timeout=1200)

@@ -128,6 +128,7 @@ def test_two_workers_local_sgd_via_mpirun(tmp_path):
     assert_trained_and_in_sync(tmp_path, result.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
 def test_kill_9_of_an_mpi_rank_ends_the_job_and_it_resumes(tmp_path):
     """kill -9 of rank 1 mid-epoch under ``mpirun -np 2``: the job ends non-zero within a bound,
@@ -208,6 +209,7 @@ def _environ(pid):
     return {key.decode(): value.decode(errors="replace") for key, value in pairs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("producer", ["process", "chief"])
 def test_multi_worker_mirrored_equals_mirrored(tmp_path, producer):
     """Two workers with sharded data train what one worker with two replicas trains: with a
@@ -234,6 +236,7 @@ def test_multi_worker_mirrored_equals_mirrored(tmp_path, producer):
     assert steps[0] >= 3
 
 
+@pytest.mark.slow
 def test_workers_with_unequal_data_finish_the_epoch(tmp_path):
     """Workers whose datasets differ in size do the same number of steps. The config says
     ``num_replicas: 1``, as a Horovod user's does: what each CPU worker has, so it is accepted."""
@@ -352,6 +355,7 @@ def _gone(pid):
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["launcher", "worker 0", "worker 1"])
 def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     """SIGTERM to the launcher, the chief or another worker: all workers stop at one step
@@ -386,6 +390,7 @@ def test_sigterm_stops_every_worker_at_a_step_boundary(tmp_path, target):
     assert set(checkpoint_params(tmp_path / "out" / "model.001")) < interrupted  # it holds the position too
 
 
+@pytest.mark.slow
 def test_a_hung_worker_ends_the_job_within_a_bound(tmp_path):
     import signal
 
@@ -405,6 +410,7 @@ def test_a_hung_worker_ends_the_job_within_a_bound(tmp_path):
     assert all(_gone(pid) for pid in workers)
 
 
+@pytest.mark.slow
 def test_threads_stay_flat_with_a_sync_every_step(tmp_path):
     write_config(tmp_path / "train.config", num_seqs="200", num_epochs=4, options={"param_sync_step": 1})
     result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
@@ -416,6 +422,7 @@ def test_threads_stay_flat_with_a_sync_every_step(tmp_path):
     assert max(threads) - min(threads) <= 5, threads  # with a timeout per collective: +190 per epoch
 
 
+@pytest.mark.slow
 def test_max_restarts_resumes_the_job_after_a_lost_worker(tmp_path):
     import signal
 

@@ -9,6 +9,7 @@ from nbclient import NotebookClient
 from conftest import REPO
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["colab_tpu.ipynb", "gce_cluster.ipynb"])
 def test_notebook_executes(name):
     notebook = nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)

@@ -56,7 +56,12 @@ STEP0_TOLERANCE = {"att_decoder_loop_dropout_pretrain_accum": 1e-3}
 CLEANUP = ["++cleanup_old_models", "{'keep_last_n': 1, 'keep_best_n': 0, 'keep': [0]}"]
 
 
-@pytest.mark.parametrize("name", CONFIG_NAMES)
+# In the quick suite (the README's test command); the other configs run with the slow tests.
+QUICK = {"old_style_12ax", "factored_hybrid_shared_dims"}
+
+
+@pytest.mark.parametrize("name", [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in CONFIG_NAMES])
 def test_same_as_plain_returnn(name, tmp_path, env):
     config = os.path.join(CONFIGS, name + ".config")
     epochs = ["++num_epochs", str(EPOCHS[name]), *CLEANUP] if name in EPOCHS else []
@@ -89,6 +94,7 @@ def test_same_as_plain_returnn(name, tmp_path, env):
     assert [f for f in os.listdir(tmp_path / "local_sgd" / "out") if f.endswith(".001.index")]  # (pretrain.)001
 
 
+@pytest.mark.slow
 def test_initialize_model_writes_what_plain_returnn_writes(tmp_path):
     """``task = "initialize_model"``: the parameters plain RETURNN's task writes, to ``model``."""
     config = os.path.join(CONFIGS, "old_style_12ax.config")
@@ -146,6 +152,7 @@ def assert_every_epoch_as_plain_returnn(config, tmp_path, epochs):
     assert "Evaluate epoch" in result.stdout and "dev: score" in result.stdout
 
 
+@pytest.mark.slow
 def test_nadam_trains_where_plain_returnn_cannot(tmp_path):
     """The hybrid config with nadam: plain RETURNN fails on TF 2.21 (Keras 3); returnn-tpu trains it."""
     config = os.path.join(CONFIGS, "hybrid_blstm_gradnoise.config")

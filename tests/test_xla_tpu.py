@@ -158,6 +158,7 @@ def test_clear_error_before_training(tmp_path, strategy, options, expected):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.config"]
 
 
+@pytest.mark.slow
 def test_compilations_are_counted_and_cached_for_the_next_run(tmp_path):
     """Each bucket compiles once (counted per epoch with its seconds); TensorFlow's persistent
     cache beside the checkpoints makes a second run of the config load them instead."""
