@@ -6,7 +6,9 @@ RETURNN loads it (``TFNetwork.load_params_from_file``) for forwarding or search.
 
 The bundle is first written under a temporary prefix and then renamed, data file first and index
 last. RETURNN looks for the ``.index`` file, so a crash at any point leaves either the previous
-state or a complete checkpoint, never a half one.
+state or a complete checkpoint, never a half one. A ``model.NNN.meta`` file follows: RETURNN's
+``load`` and ``import_model_train_epoch1`` accept a checkpoint only where that file exists
+(FACTS.md, "Plain RETURNN on TF 2.21"); it holds an empty graph, which RETURNN does not read.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
             shape_and_slices=[""] * len(names),
             tensors=tensors,
         )
+        with open(tmp_prefix + ".meta", "wb") as file:
+            file.write(_META_GRAPH)
     except (tf.errors.OpError, OSError) as exc:
         for path in glob.glob(glob.escape(tmp_prefix) + "*"):
             os.remove(path)
@@ -54,9 +58,16 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
     data_suffix = ".data-00000-of-00001"
     os.replace(tmp_prefix + data_suffix, prefix + data_suffix)
     os.replace(tmp_prefix + ".index", prefix + ".index")
+    os.replace(tmp_prefix + ".meta", prefix + ".meta")
 
 
 TMP_MARK = ".tmp-"  # <prefix>.tmp-<pid>.*: a bundle being written by process <pid>
+_META_GRAPH = tf.compat.v1.MetaGraphDef(
+    meta_info_def=tf.compat.v1.MetaGraphDef.MetaInfoDef(
+        meta_graph_version="returnn-tpu: the variables are in the .index/.data bundle",
+        tensorflow_version=tf.__version__,
+    )
+).SerializeToString()
 
 
 class NonFiniteModel(RuntimeError):

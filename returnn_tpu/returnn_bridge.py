@@ -405,6 +405,7 @@ class NetworkInfo:
     used_data_keys: List[str]
     layer_classes: Dict[str, str]
     output_layer_params: List[str]  # variable names of the output layers (pretrain may re-initialize them)
+    param_shapes: Dict[str, List[int]]  # every parameter's shape by variable name
 
 
 def fresh_dims(config) -> Dict[int, Any]:
@@ -511,6 +512,7 @@ class NetworkBuilder:
                 output_layer_params=sorted(
                     v.name.split(":")[0] for layer in net.get_output_layers() for v in layer.params.values()
                 ),
+                param_shapes={v.name.split(":")[0]: v.shape.as_list() for v in sorted(net.get_params_list(), key=lambda v: v.name)},
             )
 
     def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int, global_step=None):

@@ -123,7 +123,16 @@ class ReplicaSteps:
         # in a loop) would not fit the loop's (FACTS.md, "RETURNN's root graph").
         signature = batches if self.jit_compile else varying_shapes_spec(batches)
         self.optimizer.create_step(self.strategy)
-        self.replica_gradients.get_concrete_function(signature)
+        # The variables come from one build of the network, as the first replica (a trace never
+        # run): one build, not one per replica. They are made in cross-replica context all the
+        # same (FACTS.md, "Variables in a trace").
+        def first_replica_build(batch):
+            with tf.distribute.ReplicaContext(self.strategy, replica_id_in_sync_group=self.first_replica):
+                return self._forward_backward(batch, 0)
+
+        with self.strategy.scope():
+            tf.function(first_replica_build, autograph=False).get_concrete_function(
+                first_step[0] if self.jit_compile else varying_shapes_spec(first_step[0]))
         self.optimizer.create_state(self.strategy, list(self.trainable().values()))
         if self.accumulators is not None:
             with self.strategy.scope():

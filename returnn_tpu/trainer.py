@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import zlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy
@@ -195,6 +196,7 @@ class Trainer:
             check_xla_compatible(self.builder.net_dict)
         self.info = self.builder.inspect()
         self._inspected = self.builder.net_dict
+        self._check_same_network_everywhere()
         self.extern_data = self.info.extern_data
         self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
 
@@ -319,6 +321,20 @@ class Trainer:
             # checkpoint, the anchor is the model: checkpoints are written after a full sync).
             self.steps.start_sync()
             self.sync_schedule.synced()
+
+    def _check_same_network_everywhere(self):
+        """Every worker's network has the same parameters (names and shapes), or a one-line error
+        naming the workers whose network differs from worker 0's, before any collective on them
+        (creating the variables broadcasts their initial values: TensorFlow's bare shape mismatch)."""
+        described = "\n".join(f"{name} {shape}" for name, shape in self.info.param_shapes.items())
+        fingerprints = self.workers.all_workers(zlib.crc32(described.encode()))
+        differ = [worker for worker, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
+        if differ:
+            raise ConfigError(
+                f"worker{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} built another network than "
+                f"worker 0 (parameter names and shapes differ; this worker has {len(self.info.param_shapes)} parameters): "
+                "every worker must run the same config"
+            )
 
     def _restore_optimizer(self, filename: str):
         """The optimizer's state from the checkpoint. One without the slots (plain RETURNN on TF 2

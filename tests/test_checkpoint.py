@@ -34,7 +34,12 @@ def test_checkpoint_loads_in_plain_returnn(tmp_path, rng, kind):
         checkpoints.save_interrupted(str(tmp_path / "model"), prefix, trainer.model_state(), epoch=1, steps_done=3)
         assert checkpoints.interrupted(str(tmp_path / "model"), 1) == (prefix, 1, 3)
     assert sorted(os.listdir(tmp_path)) == [f"{os.path.basename(prefix)}.data-00000-of-00001",
-                                            f"{os.path.basename(prefix)}.index"]
+                                            f"{os.path.basename(prefix)}.index", f"{os.path.basename(prefix)}.meta"]
+    # What plain RETURNN does with ``++load PREFIX`` (``python -m returnn CONFIG ++task eval ++load ...``).
+    from returnn.config import Config
+    from returnn.engine.base import EngineBase
+
+    assert EngineBase.get_epoch_model(Config({"task": "eval", "load": prefix})) == (1, prefix)
 
     (batch,) = random_step_batches(rng, 1)
 

@@ -249,6 +249,21 @@ def test_workers_with_unequal_data_finish_the_epoch(tmp_path):
     assert_trained_and_in_sync(tmp_path, result.stdout)
 
 
+def test_workers_with_different_networks_are_named(tmp_path):
+    """Worker 1's config builds another network (its LSTM is wider): one line naming worker 1, exit 2,
+    at the first step, not TensorFlow's shape mismatch in the first sync."""
+    write_config(tmp_path / "train.config", num_epochs=1)
+    config = (tmp_path / "train.config").read_text().replace('"n_out": 8,', '"n_out": 8 + _worker,')
+    (tmp_path / "train.config").write_text(config)
+    result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr  # the launcher passes each worker's lines on, tagged
+    errors = {line.split("returnn-tpu: error: ", 1)[1] for line in output.splitlines() if "returnn-tpu: error:" in line}
+    assert errors and all(error.startswith("worker 1 built another network than worker 0") for error in errors), \
+        output[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "model.001.index")
+
+
 def test_missing_worker_is_named_within_the_timeout(tmp_path):
     from returnn_tpu.launcher import free_local_ports
 
