@@ -277,12 +277,14 @@ def _training_failure(exc: Exception, cluster) -> int:
 
     from returnn_tpu import checkpoints
     from returnn_tpu.producer import ProducerError
+    from returnn_tpu.reporting import RecordWriteError
     from returnn_tpu.trainer import NonFiniteScore, Stopped
 
     if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError, ProducerError)):
+    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError, RecordWriteError,
+                        ProducerError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
     if not isinstance(exc, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)) \

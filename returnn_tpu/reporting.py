@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -19,6 +20,16 @@ import numpy
 import tensorflow as tf
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class RecordWriteError(RuntimeError):
+    """An epoch's record (``learning_rate_file``, ``metrics.jsonl``) could not be written; names the file
+    and why. The epoch's checkpoint is written after its record, so a continued run trains it again."""
+
+    def __init__(self, path: str, epoch: int, exc: OSError):
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        super().__init__(f"could not write {path} ({free / 1e6:.1f} MB free there): {exc.strerror or exc}; epoch "
+                         f"{epoch} is trained again when the run is continued")
 
 
 @dataclasses.dataclass
@@ -227,7 +238,10 @@ class EpochReport:
               f"{stats.sync_seconds:.3f} s in sync, {stats.sync_bytes / 1e6:.3f} MB sent", file=self.log.v2)
         if not self.chief:
             return  # the chief alone writes the learning-rate file, metrics and summaries
-        self.learning_rate_control.save()
+        try:
+            self.learning_rate_control.save()
+        except OSError as exc:  # e.g. a full disk; RETURNN leaves its temporary file behind
+            raise RecordWriteError(self.learning_rate_control.filename, epoch, exc) from None
         record = dict(self.static_fields, epoch=epoch, steps=stats.steps, learning_rate=learning_rate,
                       train_score=single_or_dict(train_score), train_error=single_or_dict(train_error),
                       seconds=round(stats.seconds, 3), syncs=stats.syncs, local_syncs=stats.local_syncs,
@@ -243,9 +257,27 @@ class EpochReport:
         for name, result in dev_results.items():
             record[f"{name}_score"] = single_or_dict(result["score"])
             record[f"{name}_error"] = single_or_dict(result["error"])
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+        try:
+            self._write_metrics(epoch, json.dumps(strict_json(record), allow_nan=False))
+        except OSError as exc:
+            raise RecordWriteError(self.metrics_path, epoch, exc) from None
         self._summaries(epoch, scores, dev_results, stats, learning_rate, global_step)
+
+    def _write_metrics(self, epoch: int, line: str):
+        """Appends ``line``; records of this epoch or later (of an epoch trained again because its
+        checkpoint was not written) are replaced, atomically, so each epoch has one record."""
+        kept = []
+        if os.path.exists(self.metrics_path):
+            with open(self.metrics_path) as f:
+                kept = [old for old in f.read().splitlines() if old.strip() and json.loads(old)["epoch"] < epoch]
+        tmp = f"{self.metrics_path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                f.write("".join(old + "\n" for old in kept) + line + "\n")
+            os.replace(tmp, self.metrics_path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def _summaries(self, epoch, scores, dev_results, stats, learning_rate, global_step):
         if self._train_writer is None:

@@ -562,9 +562,6 @@ class Trainer:
             "stop_on_nonfinite_train_score", True
         ):  # RETURNN's rule; nothing of this epoch is saved
             raise NonFiniteScore(f"{self.epoch_name(epoch)}: non-finite train score {scores.score()}; not saved")
-        if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
-            checkpoints.save(self.epoch_filename(epoch), self.model_state())
-            checkpoints.remove_interrupted(self.model_filename)
         print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
         xla = self._xla_report()
@@ -578,6 +575,12 @@ class Trainer:
             )
         self.report.record(epoch, self.epoch_name(epoch), scores, dev_results, stats, learning_rate,
                            global_step=int(self.optimizer.step.numpy()), first_global_step=self.micro_steps - stats.steps, extra=xla)
+        # The checkpoint last: a run resumes after the newest checkpoint, so an epoch whose dev
+        # evaluation or record failed (a dataset that raises, a full disk) is trained again, and
+        # learning_rate_file and metrics.jsonl never miss an epoch that has a checkpoint.
+        if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
+            checkpoints.save(self.epoch_filename(epoch), self.model_state())
+            checkpoints.remove_interrupted(self.model_filename)
         if self.cluster.is_chief and self.config.bool_or_other("cleanup_old_models", None):
             checkpoints.cleanup_old_models(self.config, self.learning_rate_control)
 

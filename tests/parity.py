@@ -44,13 +44,14 @@ def initial_params(workdir: str) -> Dict[str, "numpy.ndarray"]:
 
 
 def initial_params_of(prefix: str) -> Dict[str, "numpy.ndarray"]:
-    """A checkpoint's parameters, optimizer state left out."""
+    """A checkpoint's parameters, optimizer state and plain RETURNN's random generator state (which
+    returnn-tpu does not have, see ``returnn_bridge.StepRandomSource``) left out."""
     import tensorflow as tf
 
     reader = tf.train.load_checkpoint(prefix)
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if name != "global_step" and not name.startswith("optimize/") and "/Adam" not in name
-            and "/Momentum" not in name}
+            if name != "global_step" and not name.startswith(("optimize/", "global_random_generator/"))
+            and "/Adam" not in name and "/Momentum" not in name}
 
 
 def train_epoch(tool: str, config: str, workdir: str, strategy_args: List[str] = (), env=None):

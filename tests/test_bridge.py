@@ -32,6 +32,13 @@ LAYER_NETWORKS = {
         "l": {"class": "layer_norm", "from": "lin"},
         "output": {"class": "softmax", "loss": "ce", "from": "l"},
     },
+    # Weight noise and weight dropout make the parameter a tensor; RETURNN finds the variable behind
+    # it by its handle (without which it silently gets no gradient).
+    "weight_noise": {
+        "l": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "data", "param_variational_noise": 0.1,
+              "param_dropout": 0.1},
+        "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    },
     "dropout": {
         "lin": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "data"},
         "l": {"class": "dropout", "dropout": 0.3, "from": "lin"},

@@ -118,8 +118,32 @@ def test_resume_skips_stale_temporaries_and_an_unreadable_newest_checkpoint(tmp_
         assert sorted(checkpoints.load(str(tmp_path / f"model.00{epoch}"))) == sorted(trainer.model_state())
 
 
+def test_an_epoch_whose_record_fails_is_trained_again_and_recorded_once(tmp_path):
+    """learning_rate_file cannot be written after epoch 2 (RETURNN's temporary file is a folder, as
+    a full disk fails it): a one-line error and no checkpoint of epoch 2; continued, the run trains
+    epoch 2 again, and learning_rate_file and metrics.jsonl have each epoch once."""
+    import json
+
+    from returnn.learning_rate_control import LearningRateControl
+
+    from returnn_tpu.reporting import RecordWriteError
+
+    network = {"output": {"class": "softmax", "loss": "ce", "from": "data"}}
+    make_trainer(tmp_path, network, num_epochs=1).train()
+    (tmp_path / "lr.new_tmp").mkdir()
+    with pytest.raises(RecordWriteError, match=r"could not write .*lr: .*; epoch 2 is trained again"):
+        make_trainer(tmp_path, network, num_epochs=2).train()
+    assert not (tmp_path / "model.002.index").exists()
+    (tmp_path / "lr.new_tmp").rmdir()
+    make_trainer(tmp_path, network, num_epochs=2).train()
+    assert (tmp_path / "model.002.index").exists()
+    assert sorted(LearningRateControl(default_learning_rate=0.1, filename=str(tmp_path / "lr")).epoch_data) == [1, 2]
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["epoch"] for line in f] == [1, 2]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a full disk) needs root")
-def test_a_full_disk_is_one_line_naming_the_checkpoint_and_the_free_space(tmp_path):
+def test_a_full_disk_is_one_line_naming_the_file_and_the_free_space(tmp_path):
     from test_cli import SMALL_CONFIG
 
     full = tmp_path / "full"
@@ -136,8 +160,13 @@ def test_a_full_disk_is_one_line_naming_the_checkpoint_and_the_free_space(tmp_pa
         result = run_cli(["train.config", "++num_epochs", "1"], cwd=tmp_path)
         assert result.returncode == 1, result.stderr[-3000:]
         errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
-        assert errors == ["returnn-tpu: error: could not write checkpoint full/model.001 (0.0 MB free there): No space "
-                          "left on device"], result.stderr[-3000:]
+        # The epoch's record comes before its checkpoint, and fails first.
+        assert errors == [f"returnn-tpu: error: could not write {full}/metrics.jsonl (0.0 MB free there): No space "
+                          "left on device; epoch 1 is trained again when the run is continued"], result.stderr[-3000:]
         assert os.listdir(full) == ["filler"]  # no half-written temporary left behind
+        with pytest.raises(checkpoints.CheckpointWriteError, match=r"^could not write checkpoint .*/model\.001 \(0\.0 MB "
+                           r"free there\): No space left on device$"):
+            checkpoints.save(str(full / "model.001"), {"w": tf.Variable(tf.zeros([4096]))})
+        assert os.listdir(full) == ["filler"]
     finally:
         subprocess.run(["umount", str(full)], check=True)
