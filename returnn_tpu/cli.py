@@ -13,6 +13,7 @@ stopped it at a step boundary.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import signal
 import sys
@@ -122,7 +123,16 @@ def distribute_options_from_config(config):
     from returnn_tpu.options import DistributeOptions
 
     strategy = config.typed_value("distribute_strategy", None) or config.value("distribute_strategy", "local_sgd")
-    return DistributeOptions.from_config_values(strategy, config.typed_value("distribute_options", None))
+    options = config.typed_value("distribute_options", None)
+    if options is None and config.has("distribute_options"):
+        # ``++distribute_options "{...}"`` for a config that does not set it: RETURNN keeps the text
+        # (its ``++`` evaluates only values of keys the config file set).
+        text = config.value("distribute_options", "")
+        try:
+            options = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ConfigError(f"++distribute_options must be a Python dict, e.g. \"{{'num_replicas': 2}}\", got {text!r}") from None
+    return DistributeOptions.from_config_values(strategy, options)
 
 
 MULTI_WORKER_STRATEGIES = ("local_sgd", "multi_worker_mirrored")

@@ -254,3 +254,20 @@ def test_help_and_version(capsys):
                  "RETURNN_TPU_SHARE_NETWORK", "exit status"):
         assert text in out, text
     assert re.search(r"^returnn-tpu \d+\.\d+\.\d+ \(returnn [\d.]+, tensorflow", out, re.M), out
+
+
+def test_distribute_options_given_on_the_command_line(tmp_path):
+    """``++distribute_options "{...}"`` for a config that does not set it is the dict it says (RETURNN
+    keeps such values as text); text that is no dict is bad input naming the option."""
+    from returnn_tpu.cli import distribute_options_from_config
+    from returnn_tpu.errors import ConfigError
+    from returnn_tpu.startup import load_config
+
+    (tmp_path / "train.config").write_text(SMALL_CONFIG.replace("distribute_options", "_unused"))
+    config = load_config(str(tmp_path / "train.config"),
+                         ["++distribute_options", "{'num_replicas': 3, 'data_producer': 'thread'}"])
+    options = distribute_options_from_config(config)
+    assert options.num_replicas == 3 and options.data_producer == "thread"
+    config = load_config(str(tmp_path / "train.config"), ["++distribute_options", "num_replicas=3"])
+    with pytest.raises(ConfigError, match=r"^\+\+distribute_options must be a Python dict"):
+        distribute_options_from_config(config)

@@ -89,6 +89,8 @@ def test_same_as_plain_returnn(name, tmp_path, env):
         ["++model", "out/model", "++distribute_strategy", "local_sgd", "++distribute_options",
          "{'num_replicas': 2, 'param_sync_step': 2, 'data_producer': 'thread'}"], env=env)
     assert [f for f in os.listdir(tmp_path / "local_sgd" / "out") if f.endswith(".001.index")]  # (pretrain.)001
+    with open(tmp_path / "local_sgd" / "out" / "metrics.jsonl") as f:
+        assert json.loads(f.readline())["num_replicas"] == 2
 
 
 @pytest.mark.slow
