@@ -102,9 +102,12 @@ class EpochNetworks:
         control.set_default_learning_rate_for_epoch(epoch, rate)
         return rate
 
-    def apply_config_updates(self, net_dict: Dict[str, Any]) -> Set[str]:
+    def apply_config_updates(self, net_dict: Dict[str, Any], epoch: int, learning_rate_control) -> Set[str]:
         """Applies a network dict's ``#config`` entries to the config, as RETURNN does; returns the keys.
-        A refused option set there stops training as one set in the config does."""
+        A refused option set there stops training as one set in the config does. ``learning_rate``
+        is, as in RETURNN's engine, the learning rate of ``epoch`` in the learning-rate control."""
+        from returnn.log import log
+
         from returnn_tpu.startup import check_supported
 
         updates = net_dict.get("#config", {}) or {}
@@ -113,6 +116,11 @@ class EpochNetworks:
                 raise ConfigError(
                     f"network '#config' sets {key!r}; changing datasets between epochs is not supported by returnn-tpu"
                 )
+            if key == "learning_rate":
+                old = learning_rate_control.get_learning_rate_for_epoch(epoch)
+                print(f"Overwrite learning rate for epoch {epoch}: {old!r} -> {value!r}", file=log.v3)  # RETURNN's line
+                learning_rate_control.epoch_data[epoch].learning_rate = value
+                continue
             self.config.typed_dict[key] = value
         check_supported(self.config)
         return set(updates)

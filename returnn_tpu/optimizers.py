@@ -233,6 +233,55 @@ def optimizer_from_config(config) -> Optimizer:
         ) from None
 
 
+class StepLearningRate:
+    """RETURNN's ``dynamic_learning_rate``: each update's learning rate from the epoch's and the step.
+
+    The config gives either a function ``dynamic_learning_rate(*, network, global_train_step,
+    learning_rate, **kwargs)`` that returns the rate as a tensor (per-step warm-up and OneCycle
+    schedules of newer setups), or ``{"interval": N, "decay": d}``: the rate times
+    ``d ** (global_train_step mod N)``. RETURNN's ``global_train_step`` counts batches; at the
+    update after ``accum_grad_multiple_step`` = A batches it is ``(update + 1) * A - 1``, which is
+    what the function gets here. ``network`` is None: here each replica builds its own.
+    """
+
+    def __init__(self, setting=None, accum: int = 1):
+        import inspect
+
+        self.function = self.interval = None
+        self.decay, self.accum = 1.0, accum
+        if callable(setting):
+            parameters = inspect.signature(setting).parameters.values()
+            if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters) or \
+                    any(p.name == "epoch" for p in parameters):
+                raise ConfigError("dynamic_learning_rate must be a function (*, network, global_train_step, "
+                                  "learning_rate, **kwargs), without an epoch argument, as RETURNN's TF updater asks")
+            self.function = setting
+        elif isinstance(setting, dict):
+            if sorted(setting) != ["decay", "interval"] or isinstance(setting["interval"], bool) or \
+                    not isinstance(setting["interval"], int) or setting["interval"] < 1 or \
+                    not isinstance(setting["decay"], (int, float)):
+                raise ConfigError("dynamic_learning_rate must be a function or {'interval': int >= 1, 'decay': "
+                                  f"number}}, got {setting!r}")
+            self.interval, self.decay = setting["interval"], float(setting["decay"])
+        elif setting:
+            raise ConfigError(f"dynamic_learning_rate must be a function or a dict, got {setting!r}")
+
+    @classmethod
+    def from_config(cls, config) -> "StepLearningRate":
+        return cls(config.typed_value("dynamic_learning_rate", None),
+                   accum=max(1, config.int("accum_grad_multiple_step", 1)))
+
+    def __call__(self, learning_rate: tf.Tensor, update_step) -> tf.Tensor:
+        """The rate of the update after ``update_step`` updates (the optimizer's step, read before it)."""
+        if self.function is None and self.interval is None:
+            return learning_rate
+        global_train_step = (tf.cast(update_step, tf.int64) + 1) * self.accum - 1
+        if self.function is not None:
+            rate = self.function(network=None, global_train_step=global_train_step, learning_rate=learning_rate)
+            return tf.cast(rate, tf.float32)
+        return learning_rate * tf.pow(self.decay, tf.cast(global_train_step % self.interval, tf.float32))
+
+
 @dataclasses.dataclass(frozen=True)
 class GradientOptions:
     """RETURNN's updater options that change a replica's gradients, applied in RETURNN's order.

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.optimizers import GradientOptions, Optimizer
+from returnn_tpu.optimizers import GradientOptions, Optimizer, StepLearningRate
 from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id, without_summaries
 from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step, varying_shapes_spec
 from returnn_tpu.sync import ParameterAveraging, SyncDue, mean_over_all_replicas, mean_within_groups
@@ -53,6 +53,7 @@ class ReplicaSteps:
         averaging: Optional[ParameterAveraging] = None,
         num_fragments: int = 1,
         gradients: GradientOptions = GradientOptions(),
+        step_learning_rate: StepLearningRate = StepLearningRate(),
         accumulate: bool = False,
         worker_index: int = 0,
     ):
@@ -63,6 +64,7 @@ class ReplicaSteps:
         self.num_fragments = num_fragments
         self.fragments: List[List[str]] = []  # parameter names per fragment, known after the first trace
         self.gradients = gradients
+        self.step_learning_rate = step_learning_rate  # RETURNN's dynamic_learning_rate (per update)
         self.accumulators: Optional[Dict[str, tf.Variable]] = {} if accumulate else None  # per-replica gradient sums
         self.num_replicas = strategy.num_replicas_in_sync  # over all workers
         self.local_replicas = len(strategy.extended.worker_devices)
@@ -116,12 +118,10 @@ class ReplicaSteps:
     def create_variables(self, first_step: List):
         """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
         traces the train step, on one batch per local replica."""
-        batches = self.distribute(first_step)
-        # XLA compiles per shape anyway (buckets); otherwise one trace for all shapes. The batch and
-        # time dims stay open in the trace that creates the variables, too: RETURNN's TF1 graphs
-        # never know them, and a static batch size taken from this trace (an LSTM's initial state
-        # in a loop) would not fit the loop's (FACTS.md, "RETURNN's root graph").
-        signature = batches if self.jit_compile else varying_shapes_spec(batches)
+        # XLA compiles per shape anyway (buckets); otherwise every trace has the batch and time dims
+        # open: RETURNN's TF1 graphs never know them, and a static batch size taken from a trace (an
+        # LSTM's initial state in a loop) would not fit the loop's (FACTS.md, "RETURNN's root graph").
+        open_shapes = (lambda batches: batches) if self.jit_compile else varying_shapes_spec
         self.optimizer.create_step(self.strategy)
         # The variables come from one build of the network, as the first replica (a trace never
         # run): one build, not one per replica. They are made in cross-replica context all the
@@ -131,8 +131,7 @@ class ReplicaSteps:
                 return self._forward_backward(batch, 0)
 
         with self.strategy.scope():
-            tf.function(first_replica_build, autograph=False).get_concrete_function(
-                first_step[0] if self.jit_compile else varying_shapes_spec(first_step[0]))
+            tf.function(first_replica_build, autograph=False).get_concrete_function(open_shapes(first_step[0]))
         self.optimizer.create_state(self.strategy, list(self.trainable().values()))
         if self.accumulators is not None:
             with self.strategy.scope():
@@ -155,7 +154,7 @@ class ReplicaSteps:
         if self.local_sgd:
             self.fragments = split_into_fragments(sizes, self.num_fragments)
             self.averaging.create_state(self.strategy, self.trainable())
-        self._train.get_concrete_function(*self._train_args(signature, 0.0, None))
+        self._train.get_concrete_function(*self._train_args(open_shapes(self.distribute(first_step)), 0.0, None))
 
     def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue], update: bool = True) -> tuple:
         args = (batches, tf.constant(learning_rate, tf.float32))
@@ -332,7 +331,8 @@ class ReplicaSteps:
             if not self.local_sgd:  # one replica's non-finite gradient spoils the mean: all skip
                 bad = self.strategy.run(lambda ok: tf.cast(tf.logical_not(ok), tf.int32), args=(finite,))
                 ok = tf.equal(self.strategy.reduce(tf.distribute.ReduceOp.SUM, bad, axis=None), 0)
-            with tf.control_dependencies([self.optimizer.apply(self.strategy, grads_and_vars, learning_rate,
+            rate = self.step_learning_rate(learning_rate, self.optimizer.step.read_value())
+            with tf.control_dependencies([self.optimizer.apply(self.strategy, grads_and_vars, rate,
                                                                reduce=not self.local_sgd, apply_if=ok)]):
                 return tf.constant(True)
 
@@ -353,7 +353,8 @@ class ReplicaSteps:
             grad_list = context.all_reduce(tf.distribute.ReduceOp.MEAN, grad_list)
             finite = tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.int32)), 0)
         variables = [self.builder.variables.by_name[name] for name in names]
-        self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), learning_rate, apply_if=finite)
+        rate = self.step_learning_rate(learning_rate, self.optimizer.step.read_value())
+        self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), rate, apply_if=finite)
         for index in range(self.num_fragments if self.local_sgd else 0):  # ordered after the update (same resources)
             tf.cond(due[index], lambda i=index: self._replica_sync((i,), False, learning_rate), lambda: tf.constant(False))
         return metrics

@@ -25,7 +25,7 @@ from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, defa
 from returnn_tpu.data import init_eval_datasets, init_seq_order, read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
-from returnn_tpu.optimizers import GradientOptions, optimizer_from_config
+from returnn_tpu.optimizers import GradientOptions, StepLearningRate, optimizer_from_config
 from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress
@@ -117,6 +117,7 @@ class Trainer:
             self._check_data_matches(dataset)
         for dataset in self.dev_datasets:  # what RETURNN's dataset refuses is found now, not after epoch 1
             init_seq_order(dataset, 1)
+            dataset.finish_epoch()  # a MetaDataset fails a second init of the same epoch without it
         self.model_filename = config.value("model", None)
         if not self.model_filename:
             raise ConfigError("config option 'model' (where checkpoints go) is missing")
@@ -183,6 +184,7 @@ class Trainer:
             averaging=self.averaging,
             num_fragments=self.options.sync_fragments,
             gradients=GradientOptions.from_config(self.config),
+            step_learning_rate=StepLearningRate.from_config(self.config),
             accumulate=self.accum_grad_steps > 1,
             worker_index=self.cluster.worker_index,
         )
@@ -232,7 +234,7 @@ class Trainer:
         in; and, as RETURNN builds a new graph and optimizer then, the optimizer's slots restart.
         """
         net_dict = self.networks.net_dict(epoch)
-        if self.networks.apply_config_updates(net_dict):
+        if self.networks.apply_config_updates(net_dict, epoch, self.learning_rate_control):
             self._read_batching_options()
         first = self._network_epoch is None
         if not first and not self.networks.differs(self.builder.net_dict, net_dict):

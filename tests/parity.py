@@ -69,8 +69,9 @@ def train_epoch(tool: str, config: str, workdir: str, strategy_args: List[str] =
         key, value = part.rsplit(" ", 1)
         step0[key] = float(value)
     control = LearningRateControl(default_learning_rate=1.0, filename=os.path.join(workdir, "out", "lr"))
-    return step0, dict(control.epoch_data[1].error, **{f":meta:{k}": v for k, v in control.epoch_data[1].meta.items()}), \
-        result.stdout
+    scores = dict(control.epoch_data[1].error, **{f":meta:{k}": v for k, v in control.epoch_data[1].meta.items()})
+    scores[":learning_rate"] = control.epoch_data[1].learning_rate
+    return step0, scores, result.stdout
 
 
 def compare(config: str, workdir: str, env=None, args: List[str] = ()) -> Dict[str, object]:

@@ -147,7 +147,6 @@ def test_no_option_in_two_classes():
     {"load": "/other/model.010"},
     {"preload_from_files": {"base": {"filename": "/other/model.010", "init_for_train": True}}},
     {"adagrad": True},
-    {"dynamic_learning_rate": lambda **kwargs: kwargs["learning_rate"]},
     {"eval_use_train_flag": True},
 ])
 def test_refused_option_stops(values):

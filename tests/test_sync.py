@@ -273,3 +273,28 @@ def test_a_diverged_model_is_never_written(tmp_path):
     with pytest.raises(NonFiniteScore, match="replica"):
         trainer.train()
     assert not (tmp_path / "model.001.index").exists()
+
+
+def test_dynamic_learning_rate_sees_returnns_global_train_step():
+    """RETURNN's ``dynamic_learning_rate``: the function gets RETURNN's global_train_step, which counts
+    batches (the update after 2 micro-batches of the first update is step 1); the interval form
+    decays within each interval; settings RETURNN's updater refuses are one-line errors."""
+    from returnn_tpu.errors import ConfigError
+    from returnn_tpu.optimizers import StepLearningRate
+
+    seen = []
+
+    def warmup(*, network, global_train_step, learning_rate, **kwargs):
+        seen.append(network)
+        return learning_rate * tf.cast(global_train_step, tf.float32)
+
+    rate = StepLearningRate(warmup, accum=2)
+    assert [float(rate(tf.constant(0.5), step)) for step in (0, 1, 2)] == [0.5, 1.5, 2.5]
+    assert seen == [None] * 3
+    decay = StepLearningRate({"interval": 3, "decay": 0.5})
+    assert [float(decay(tf.constant(1.0), step)) for step in range(4)] == [1.0, 0.5, 0.25, 1.0]
+    assert float(StepLearningRate()(tf.constant(0.25), 7)) == 0.25
+    for bad in (lambda *, global_train_step, learning_rate: learning_rate,  # no **kwargs
+                lambda *, epoch, learning_rate, **kwargs: learning_rate, {"interval": 0, "decay": 0.5}, "fast"):
+        with pytest.raises(ConfigError, match="^dynamic_learning_rate must be"):
+            StepLearningRate(bad)
