@@ -200,7 +200,9 @@ class Trainer:
         self._inspected = self.builder.net_dict
         self._check_same_network_everywhere()
         self.extern_data = self.info.extern_data
-        self.data_keys = [k for k in self.info.used_data_keys if k in self.train_datasets[0].get_data_keys()]
+        # Every data key the network uses, as RETURNN feeds them (it asks the dataset for each, also
+        # for one its get_data_keys() does not list).
+        self.data_keys = list(self.info.used_data_keys)
 
     def _check_data_matches(self, dataset):
         """The dataset's dims, shapes and dtypes are the network's ``extern_data`` (RETURNN's
