@@ -1,0 +1,63 @@
+"""Start-up cost of returnn-tpu by replica count, against plain RETURNN, on the same config.
+
+Runs ``python -m returnn CONFIG`` once and ``returnn-tpu CONFIG`` with ``local_sgd`` on 1, 2, 4, ...
+logical CPU devices (the data on a thread), one epoch each, one after the other, and prints for
+each: the whole process's wall time, and from returnn-tpu's ``metrics.jsonl`` the seconds from
+its start to the end of its first train step (``startup_seconds``) and the seconds building the
+network in the replicas' traces (``trace_seconds``), with their ratio to one replica.
+
+    python benchmarks/startup.py CONFIG [--replicas 1 2 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(command, folder: str) -> float:
+    """Runs ``command`` in ``folder``; its wall time, or an exit naming it if it fails."""
+    os.makedirs(os.path.join(folder, "out"))
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=folder, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", DISABLE_CUDA="1"))  # plain RETURNN: FACTS.md, "Native ops"
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed (status {result.returncode}):\n{result.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = parser.parse_args()
+    config = os.path.abspath(args.config)
+    work = tempfile.mkdtemp(prefix="returnn_tpu_startup_")
+    settings = ["++model", "out/model", "++num_epochs", "1", "++learning_rate_file", "out/lr", "++log", "out/log"]
+    plain = run([sys.executable, "-m", "returnn", config, *settings], os.path.join(work, "plain"))
+    rows = {}
+    for replicas in args.replicas:
+        folder = os.path.join(work, f"replicas-{replicas}")
+        wall = run([sys.executable, "-m", "returnn_tpu.cli", config, *settings, "++distribute_strategy", "local_sgd",
+                    "++distribute_options", repr({"num_replicas": replicas, "data_producer": "thread"})], folder)
+        with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
+            first = json.loads(f.readline())
+        rows[replicas] = (wall, first["startup_seconds"], first["trace_seconds"])
+    print(f"{os.path.basename(config)}: one epoch; plain RETURNN (python -m returnn): {plain:.1f} s wall")
+    print(f"{'replicas':>8s} {'wall s':>8s} {'vs plain':>9s} {'to 1st step s':>14s} {'vs 1 replica':>13s} "
+          f"{'trace s':>8s} {'vs 1 replica':>13s}")
+    base = rows[args.replicas[0]]
+    for replicas, (wall, startup, trace) in rows.items():
+        print(f"{replicas:8d} {wall:8.1f} {wall / plain:8.2f}x {startup:14.1f} {startup / base[1]:12.2f}x "
+              f"{trace:8.1f} {trace / base[2]:12.2f}x")
+
+
+if __name__ == "__main__":
+    main()
