@@ -126,7 +126,7 @@ def distribute_options_from_config(config):
     options = config.typed_value("distribute_options", None)
     if options is None and config.has("distribute_options"):
         # ``++distribute_options "{...}"`` for a config that does not set it: RETURNN keeps the text
-        # (its ``++`` evaluates only values of keys the config file set).
+        # (its ``++`` evaluates only values of keys the config file set; FACTS.md, "Command-line overrides").
         text = config.value("distribute_options", "")
         try:
             options = ast.literal_eval(text)

@@ -117,7 +117,7 @@ class Trainer:
             self._check_data_matches(dataset)
         for dataset in self.dev_datasets:  # what RETURNN's dataset refuses is found now, not after epoch 1
             init_seq_order(dataset, 1)
-            dataset.finish_epoch()  # a MetaDataset fails a second init of the same epoch without it
+            dataset.finish_epoch()  # a MetaDataset fails a second init of one epoch (FACTS.md, "MetaDataset epochs")
         self.model_filename = config.value("model", None)
         if not self.model_filename:
             raise ConfigError("config option 'model' (where checkpoints go) is missing")
