@@ -118,10 +118,6 @@ class ReplicaSteps:
     def create_variables(self, first_step: List):
         """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
         traces the train step, on one batch per local replica."""
-        # XLA compiles per shape anyway (buckets); otherwise every trace has the batch and time dims
-        # open: RETURNN's TF1 graphs never know them, and a static batch size taken from a trace (an
-        # LSTM's initial state in a loop) would not fit the loop's (FACTS.md, "RETURNN's root graph").
-        open_shapes = (lambda batches: batches) if self.jit_compile else varying_shapes_spec
         self.optimizer.create_step(self.strategy)
         # The variables come from one build of the network, as the first replica (a trace never
         # run): one build, not one per replica. They are made in cross-replica context all the
@@ -131,7 +127,7 @@ class ReplicaSteps:
                 return self._forward_backward(batch, 0)
 
         with self.strategy.scope():
-            tf.function(first_replica_build, autograph=False).get_concrete_function(open_shapes(first_step[0]))
+            tf.function(first_replica_build, autograph=False).get_concrete_function(self._signature(first_step[0]))
         self.optimizer.create_state(self.strategy, list(self.trainable().values()))
         if self.accumulators is not None:
             with self.strategy.scope():
@@ -154,7 +150,7 @@ class ReplicaSteps:
         if self.local_sgd:
             self.fragments = split_into_fragments(sizes, self.num_fragments)
             self.averaging.create_state(self.strategy, self.trainable())
-        self._train.get_concrete_function(*self._train_args(open_shapes(self.distribute(first_step)), 0.0, None))
+        self._train.get_concrete_function(*self._train_args(self._signature(self.distribute(first_step)), 0.0, None))
 
     def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue], update: bool = True) -> tuple:
         args = (batches, tf.constant(learning_rate, tf.float32))
@@ -200,11 +196,17 @@ class ReplicaSteps:
         weights = self.distribute([tf.constant(w, tf.float32) for w in weights])
         return self._call_with_open_shapes(self._evaluate, self.distribute(step_batches), weights)
 
+    def _signature(self, batches):
+        """What a step function is traced for: XLA compiles per shape anyway (buckets); otherwise the
+        batch and time dims are open. RETURNN's TF1 graphs never know them, and a static batch size
+        taken from a trace (an LSTM's initial state in a loop) would not fit the loop's (FACTS.md,
+        "RETURNN's root graph")."""
+        return batches if self.jit_compile else varying_shapes_spec(batches)
+
     def _call_with_open_shapes(self, function, *args):
-        """Calls ``function``, whose first trace (without XLA, which compiles per bucket shape) has
-        the batch and time dims open, as in :meth:`create_variables`."""
-        if not self.jit_compile and function.experimental_get_tracing_count() == 0:
-            function.get_concrete_function(*varying_shapes_spec(args))
+        """Calls ``function``, its first trace made for :meth:`_signature` of the arguments."""
+        if function.experimental_get_tracing_count() == 0:
+            function.get_concrete_function(*self._signature(args))
         return function(*args)
 
     def sync(self, due: SyncDue, learning_rate: float):
