@@ -24,7 +24,8 @@ With ``jit_compile``, :class:`BucketBatching` replaces RETURNN's batch generatio
 sequences grouped by length into buckets, batches padded to static shapes (one per bucket).
 
 No ``tf.data.Dataset.from_generator`` (FACTS.md, "from_generator"): batches are NumPy arrays handed to
-the step function directly.
+the step function directly. Nothing here imports TensorFlow: the data producer process runs this
+module without it (FACTS.md, "A producer without TensorFlow").
 """
 
 from __future__ import annotations
@@ -39,10 +40,34 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import numpy
 
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.returnn_bridge import size_key
 
 Batch = Dict[str, numpy.ndarray]
 SEED_OFFSET_PER_REPLICA = 16127  # RETURNN's factor per Horovod rank
+
+
+def size_key(data_key: str, axis: int) -> str:
+    """Key of the sequence lengths of ``data_key``'s dynamic ``axis`` (without batch) in a batch dict."""
+    return f"size:{data_key}:{axis}"
+
+
+def template_shapes(extern_data, data_keys: Sequence[str]) -> Dict[str, dict]:
+    """What batching needs of the network's ``extern_data`` for ``data_keys``: each key's shape
+    (None where dynamic), dtype and batch axis, as plain values another process can be sent
+    (the network's templates hold TensorFlow objects)."""
+    return {
+        key: {"shape": tuple(None if axis in data.get_dynamic_axes() else dim for axis, dim in
+                             enumerate(data.batch_shape) if axis != data.batch_dim_axis),
+              "dtype": data.dtype, "batch_dim_axis": data.batch_dim_axis}
+        for key in data_keys
+        for data in [extern_data.data[key]]
+    }
+
+
+def templates_from_shapes(shapes: Dict[str, dict]):
+    """RETURNN ``TensorDict`` templates (without TensorFlow) from :func:`template_shapes`."""
+    from returnn.tensor import Tensor, TensorDict
+
+    return TensorDict({key: Tensor(key, **kwargs) for key, kwargs in shapes.items()})
 COUNTERS = ("dropped", "padded_frames", "total_frames")  # what BucketBatching counts while batching
 
 

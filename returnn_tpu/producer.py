@@ -115,14 +115,16 @@ class DataProducer:
         assert kind == "listening", kind
         return port
 
-    def epoch(self, *, epoch: int, batching, data_keys: Sequence[str], recurrent: bool, train: bool,
-              slots: Optional[range], num_slots: Optional[int], pad_last: bool,
+    def epoch(self, *, epoch: int, batching, data_keys: Sequence[str], templates: dict, recurrent: bool,
+              train: bool, slots: Optional[range], num_slots: Optional[int], pad_last: bool,
               while_waiting: Optional[Callable[[], None]] = None) -> "ProducedEpoch":
-        """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`);
+        """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`,
+        with ``templates`` from :func:`returnn_tpu.data.template_shapes` for its ``extern_data``);
         returns once the producer has made the batch lists and knows the number of steps (which
         can take long: ``while_waiting`` is called about every second meanwhile, and may raise)."""
-        self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), recurrent=recurrent,
-                                train=train, slots=slots, num_slots=num_slots, pad_last=pad_last))
+        self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), templates=templates,
+                                recurrent=recurrent, train=train, slots=slots, num_slots=num_slots,
+                                pad_last=pad_last))
         kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists", while_waiting=while_waiting)
         assert kind == "steps", kind
         return ProducedEpoch(self, num_steps, batching, making_seconds)
@@ -550,33 +552,31 @@ class _EpochMaker:
 
     Making an epoch's batch lists is most of the work for many RETURNN datasets (generated
     ones, and those based on ``CachedDataset2``, know a sequence's length only once they have
-    made it). So while epoch E is produced, a thread makes epoch E + 1's lists, on a second copy
-    of the datasets (epoch E's copy is in use), with the request of epoch E but for E + 1; if
-    the trainer then asks for something else (a new network, other batching options), it is
-    made anew.
+    made it). The producer holds one copy of the datasets (one per replica it feeds with
+    ``random_seed_offset``): once the last batch of epoch E is handed out, a thread makes
+    epoch E + 1's lists on it, with the request of epoch E but for E + 1, while the trainer
+    trains its last steps and evaluates; if the trainer then asks for something else (a new
+    network, other batching options), it is made anew.
+
+    No TensorFlow here (FACTS.md, "A producer without TensorFlow"): the trainer sends with each
+    request the shapes of the network's ``extern_data`` (:func:`returnn_tpu.data.template_shapes`).
     """
 
     def __init__(self, setup: dict):
         from returnn_tpu.data import init_datasets
-        from returnn_tpu.returnn_bridge import extern_data_template, setup_returnn
-        from returnn_tpu.startup import load_config, select_backend
+        from returnn_tpu.startup import load_config
 
         config = load_config(setup["config_filename"], setup["overrides"])
-        select_backend(config)
-        setup_returnn()
-        self.copies = [init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
-                                     setup["distribution"]) for _ in range(2)]
-        import tensorflow as tf
-
-        with tf.Graph().as_default():  # templates with defined dynamic dims, as the trainer's network inspection has
-            self.extern_data = extern_data_template(config, placeholders=True)
+        self.datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
+                                      setup["distribution"])
         self.ahead: Optional[Tuple[dict, threading.Thread, list]] = None  # (request, thread, [batches or error])
 
     def _make(self, request: dict):
-        from returnn_tpu.data import EpochBatches
+        from returnn_tpu.data import EpochBatches, templates_from_shapes
 
-        datasets = self.copies[request["epoch"] % 2]
-        return EpochBatches(datasets, extern_data=self.extern_data, prefetch=1, **request)
+        request = dict(request)
+        extern_data = templates_from_shapes(request.pop("templates"))
+        return EpochBatches(self.datasets, extern_data=extern_data, prefetch=1, **request)
 
     def take(self, request: dict):
         """The EpochBatches of ``request``: the one made ahead if it is that one."""
@@ -591,7 +591,8 @@ class _EpochMaker:
         return self._make(request)
 
     def make_next(self, request: dict):
-        """Starts making the epoch after ``request``'s, on a thread."""
+        """Starts making the epoch after ``request``'s, on a thread (once ``request``'s epoch has
+        read all its data: the datasets are those of that epoch)."""
         following = dict(request, epoch=request["epoch"] + 1, batching=copy.deepcopy(request["batching"]))
         following["batching"].take_counters()
         result: list = [None]
@@ -639,9 +640,10 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
             raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
     batches.start_at(first_step)
     batches.limit_steps(num_steps)
-    epochs.make_next(request)
+    stopped = False
     for step_batches, weights in batches:
         if commands.poll() and commands.recv()[0] == "stop":
+            stopped = True
             break
         if workers:
             own_batches, own_weights = workers.own_part(step_batches, weights, 0)
@@ -650,6 +652,8 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
                 workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
         else:
             results.put(("step", *_put_block(step_batches), weights))
+    if not stopped:
+        epochs.make_next(request)
     results.put(("end", batches.batching.take_counters()))
     for worker in others:
         workers.send(worker, ("end", {}))

@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
+from returnn_tpu.data import size_key
 from returnn_tpu.errors import ConfigError
 
 _RETURNN_READY = False
@@ -389,11 +390,6 @@ def check_xla_compatible(net_dict: Mapping[str, dict], prefix: str = ""):
                 )
         if isinstance(opts.get("subnetwork"), dict):
             check_xla_compatible(opts["subnetwork"], prefix=f"{prefix}{name}/")
-
-
-def size_key(data_key: str, axis: int) -> str:
-    """Key of the sequence lengths of ``data_key``'s dynamic ``axis`` (without batch) in a batch dict."""
-    return f"size:{data_key}:{axis}"
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ import returnn_tpu
 from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import init_eval_datasets, init_seq_order, read_ahead
+from returnn_tpu.data import init_eval_datasets, init_seq_order, read_ahead, template_shapes
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, StepLearningRate, optimizer_from_config
@@ -94,10 +94,11 @@ class Trainer:
         # One producer serves all workers: it makes the batches of all replicas.
         self.shared_producer = options.data_producer == "chief" and self.cluster.num_workers > 1
         self.producer = self._start_producer(config_source) if config_source else None  # works while the rest is set up
-        self.train_datasets = init_datasets(
+        # With a producer, it reads the training data; one instance here, for the checks below only.
+        train_datasets = init_datasets(config, "train") if self.producer else init_datasets(
             config, "train", self.steps.local_replicas, self.steps.first_replica, options.dataset_distribution
         )
-        if not self.train_datasets:
+        if not train_datasets:
             raise ConfigError("config option 'train' (the training dataset) is missing")
         if options.jit_compile and not config.has("inf_value"):
             # Buckets fill a batch with empty sequences. RETURNN masks attention energies with
@@ -110,11 +111,12 @@ class Trainer:
         self.bucket_boundaries = None
         if options.jit_compile:
             key = self.extern_data.default_input
-            self.bucket_boundaries = options.bucket_boundaries or default_bucket_boundaries(self.train_datasets[0], key)
+            self.bucket_boundaries = options.bucket_boundaries or default_bucket_boundaries(train_datasets[0], key)
         self._read_batching_options()
         self.dev_datasets = init_eval_datasets(config)
-        for dataset in self.train_datasets[:1] + self.dev_datasets:
+        for dataset in train_datasets[:1] + self.dev_datasets:
             self._check_data_matches(dataset)
+        self.train_datasets = None if self.producer else train_datasets  # the data is held once per worker
         for dataset in self.dev_datasets:  # what RETURNN's dataset refuses is found now, not after epoch 1
             init_seq_order(dataset, 1)
             dataset.finish_epoch()  # a MetaDataset fails a second init of one epoch (FACTS.md, "MetaDataset epochs")
@@ -401,7 +403,8 @@ class Trainer:
             pad_last=not train,
         )
         if train and self.producer:
-            batches = self.producer.epoch(**what, while_waiting=lambda: self._stop_while_waiting(epoch))
+            batches = self.producer.epoch(**what, templates=template_shapes(self.extern_data, self.data_keys),
+                                          while_waiting=lambda: self._stop_while_waiting(epoch))
         else:
             batches = EpochBatches(datasets, extern_data=self.extern_data, prefetch=self.options.data_prefetch, **what)
         batches.limit_steps(min(self.workers.all_workers(batches.num_steps)))
@@ -464,7 +467,8 @@ class Trainer:
 
     def start_notes(self) -> List[str]:
         """What a user should know before the first step: the options in force, a local SGD that
-        has one replica, and what an epoch is with several replicas."""
+        has one replica, what an epoch is with several replicas, and outer-optimizer settings
+        known to overshoot."""
         notes = [f"distribute_options in force: {self.options.in_force()}"]
         replicas = self.steps.num_replicas
         if self.averaging and replicas == 1:
@@ -478,6 +482,10 @@ class Trainer:
                          "makes an epoch one pass, dealt to the replicas")
         elif replicas > 1:
             notes.append(f"an epoch is one pass over the training data, its batches dealt to the {replicas} replicas")
+        sync_steps = None if self.options.param_sync_time_diff else self.options.param_sync_step
+        warning = self.averaging and self.averaging.start_warning(sync_steps)
+        if warning:
+            notes.append(f"warning: {warning}")
         return notes
 
     def initialize_model(self):

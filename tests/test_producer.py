@@ -28,6 +28,12 @@ def _setup(tmp_path, text=PRODUCER_CONFIG):
     return str(path), config, extern_data_template(config)
 
 
+def _templates(extern_data):
+    from returnn_tpu.data import template_shapes
+
+    return template_shapes(extern_data, ["classes", "data"])
+
+
 def _in_process(config, extern_data, distribution, request):
     from returnn_tpu.data import EpochBatches, init_datasets
 
@@ -52,7 +58,7 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
                            slots=range(2) if shard else None, num_slots=2 if shard else None, pad_last=False)
             expected = _in_process(config, extern_data, distribution, request)
             expected_counters = batching.take_counters()
-            produced_epoch = producer.epoch(**request)
+            produced_epoch = producer.epoch(**request, templates=_templates(extern_data))
             assert produced_epoch.num_steps == len(expected) > 3
             produced = list(produced_epoch)
             assert len(produced) == len(expected)
@@ -65,6 +71,8 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
                         assert our_batch[key].tobytes() == value.tobytes(), key
             assert batching.take_counters() == expected_counters  # the producer's padding counts come back
             assert not _blocks_of(producer)  # every step's block was freed when it was taken (before close)
+        with open(f"/proc/{producer.pid}/maps") as maps:  # its memory is the data's, not TensorFlow's
+            assert "libtensorflow" not in maps.read()
     finally:
         producer.close()
 
@@ -78,11 +86,11 @@ def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path)
     from returnn_tpu.data import BatchingOptions
     from returnn_tpu.producer import LIVENESS_SECONDS, DataProducer, ProducerError
 
-    path, config, _ = _setup(tmp_path, PRODUCER_CONFIG.replace('"num_seqs": 37}', '"num_seqs": 400}'))
+    path, config, extern_data = _setup(tmp_path, PRODUCER_CONFIG.replace('"num_seqs": 37}', '"num_seqs": 400}'))
     producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
                             prefetch=2)
     epoch = producer.epoch(epoch=1, batching=BatchingOptions(config), data_keys=["classes", "data"], recurrent=True,
-                           train=True, slots=range(2), num_slots=2, pad_last=False)
+                           templates=_templates(extern_data), train=True, slots=range(2), num_slots=2, pad_last=False)
     steps = iter(epoch)
     next(steps)
     time.sleep(1)  # the producer fills the queue
@@ -184,7 +192,7 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
 
         thread = threading.Thread(target=worker_1)
         thread.start()
-        own = list(producer.epoch(**request))
+        own = list(producer.epoch(**request, templates=_templates(extern_data)))
         thread.join(timeout=60)
         assert received["epoch"].num_steps == len(own) == len(received["steps"]) == len(expected) > 3
         for (chief, chief_weights), (other, other_weights), (both, weights) in zip(own, received["steps"], expected):

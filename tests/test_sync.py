@@ -298,3 +298,22 @@ def test_dynamic_learning_rate_sees_returnns_global_train_step():
                 lambda *, epoch, learning_rate, **kwargs: learning_rate, {"interval": 0, "decay": 0.5}, "fast"):
         with pytest.raises(ConfigError, match="^dynamic_learning_rate must be"):
             StepLearningRate(bad)
+
+
+@pytest.mark.parametrize("outer,sync_step,warns", [
+    (DILOCO, 16, True),  # the paper's settings, few inner steps: 7x the mean change
+    (DILOCO, 500, False),  # the paper's regime
+    (DILOCO, None, False),  # syncs by time: the number of inner steps is not known
+    ({"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}, 16, False),
+    ({"class": "slowmo", "learning_rate": 1.0, "momentum": 0.8}, 16, True),
+    (None, 16, False),  # plain averaging
+])
+def test_outer_settings_known_to_overshoot_are_warned_about_at_start(outer, sync_step, warns):
+    from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.sync import make_averaging
+
+    averaging = make_averaging(DistributeOptions.from_config_values("local_sgd", {"outer_optimizer": outer}))
+    warning = averaging.start_warning(sync_step)
+    assert bool(warning) == warns
+    if warns:
+        assert f"param_sync_step {sync_step}" in warning and "learning_rate / (1 - momentum)" in warning

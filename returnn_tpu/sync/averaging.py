@@ -94,6 +94,11 @@ class ParameterAveraging:
     def keeps_anchor(self) -> bool:
         return self.uses_anchor or self.sync_dtype != tf.float32
 
+    def start_warning(self, param_sync_step: Optional[int]) -> Optional[str]:
+        """What a user should know of these settings before training with them, syncing every
+        ``param_sync_step`` updates (None: by time); None if nothing."""
+        return None
+
     # ---- state ----------------------------------------------------------------------------------
 
     def create_state(self, strategy: tf.distribute.Strategy, variables: Dict[str, tf.Variable]):

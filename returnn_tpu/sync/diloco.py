@@ -7,7 +7,7 @@ rate 0.7 and momentum 0.9. With learning rate 1 and momentum 0 it is plain avera
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import tensorflow as tf
 
@@ -21,12 +21,33 @@ class DiLoCoAveraging(ParameterAveraging):
     """
 
     uses_anchor = True
+    # Measured on RETURNN's demo-tf-vanilla-lstm.12ax.config at its Adam learning rate with 16
+    # inner steps (``python benchmarks/local_sgd_quality.py --task returnn_demo --seeds 1 2 3``):
+    # outer steps of more than OVERSHOOT_SCALE times the mean change did not train; the papers'
+    # settings assume hundreds of inner steps between syncs.
+    OVERSHOOT_SCALE = 3.0
+    FEW_INNER_STEPS = 100
 
     def __init__(self, learning_rate: float = 0.7, momentum: float = 0.9, **kwargs):
         super().__init__(**kwargs)
         self.outer_learning_rate = learning_rate
         self.outer_momentum = momentum
         self.momenta: Dict[str, tf.Variable] = {}
+
+    @property
+    def step_scale(self) -> float:
+        """How far an outer step goes once the momentum has built up, in units of the replicas'
+        mean change: ``learning_rate / (1 - momentum)`` (1 is plain averaging); SlowMo's too."""
+        return self.outer_learning_rate / (1 - self.outer_momentum)
+
+    def start_warning(self, param_sync_step: Optional[int]) -> Optional[str]:
+        if not param_sync_step or param_sync_step >= self.FEW_INNER_STEPS or self.step_scale <= self.OVERSHOOT_SCALE:
+            return None
+        return (f"outer_optimizer learning_rate {self.outer_learning_rate} with momentum {self.outer_momentum} "
+                f"steps {self.step_scale:.1f}x the replicas' mean change once its momentum has built up; with "
+                f"param_sync_step {param_sync_step} (fewer than {self.FEW_INNER_STEPS} updates between syncs) such "
+                f"outer steps overshoot at RETURNN's usual learning rates: learning_rate / (1 - momentum) of at most "
+                f"{self.OVERSHOOT_SCALE:g} (e.g. 0.7 and 0.5) trains (README, 'Outer optimizer')")
 
     def create_state(self, strategy, variables):
         super().create_state(strategy, variables)
