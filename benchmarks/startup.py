@@ -1,12 +1,14 @@
 """Start-up cost of returnn-tpu by replica count, against plain RETURNN, on the same config.
 
 Runs ``python -m returnn CONFIG`` once and ``returnn-tpu CONFIG`` with ``local_sgd`` on 1, 2, 4, ...
-logical CPU devices (the data on a thread), one epoch each, one after the other, and prints for
-each: the whole process's wall time, and from returnn-tpu's ``metrics.jsonl`` the seconds from
-its start to the end of its first train step (``startup_seconds``) and the seconds building the
-network in the replicas' traces (``trace_seconds``), with their ratio to one replica.
+logical CPU devices (the data on a thread), ``--epochs`` epochs each (default 1), one after the
+other, and prints for each: the whole process's wall time, and from returnn-tpu's
+``metrics.jsonl`` the seconds from its start to the end of its first train step
+(``startup_seconds``), the seconds building the network and tracing the train step at the start
+(``trace_seconds`` of epoch 1) and in the later epochs whose network changed (``pretrain``,
+``get_network``), with their ratio to one replica.
 
-    python benchmarks/startup.py CONFIG [--replicas 1 2 4 8]
+    python benchmarks/startup.py CONFIG [--replicas 1 2 4 8] [--epochs 2]
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     config = os.path.abspath(args.config)
     work = tempfile.mkdtemp(prefix="returnn_tpu_startup_")
-    settings = ["++model", "out/model", "++num_epochs", "1", "++learning_rate_file", "out/lr", "++log", "out/log"]
+    settings = ["++model", "out/model", "++num_epochs", str(args.epochs), "++learning_rate_file", "out/lr",
+                "++log", "out/log"]
     plain = run([sys.executable, "-m", "returnn", config, *settings], os.path.join(work, "plain"))
     rows = {}
     for replicas in args.replicas:
@@ -48,15 +52,18 @@ def main():
         wall = run([sys.executable, "-m", "returnn_tpu.cli", config, *settings, "++distribute_strategy", "local_sgd",
                     "++distribute_options", repr({"num_replicas": replicas, "data_producer": "thread"})], folder)
         with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
-            first = json.loads(f.readline())
-        rows[replicas] = (wall, first["startup_seconds"], first["trace_seconds"])
-    print(f"{os.path.basename(config)}: one epoch; plain RETURNN (python -m returnn): {plain:.1f} s wall")
+            first, *later = [json.loads(line) for line in f]
+        changes = [epoch["trace_seconds"] for epoch in later if epoch.get("trace_seconds")]
+        rows[replicas] = (wall, first["startup_seconds"], first["trace_seconds"], changes)
+    epochs = "one epoch" if args.epochs == 1 else f"{args.epochs} epochs"
+    print(f"{os.path.basename(config)}: {epochs}; plain RETURNN (python -m returnn): {plain:.1f} s wall")
     print(f"{'replicas':>8s} {'wall s':>8s} {'vs plain':>9s} {'to 1st step s':>14s} {'vs 1 replica':>13s} "
-          f"{'trace s':>8s} {'vs 1 replica':>13s}")
+          f"{'trace s':>8s} {'vs 1 replica':>13s}  network changes s (vs 1 replica)")
     base = rows[args.replicas[0]]
-    for replicas, (wall, startup, trace) in rows.items():
+    for replicas, (wall, startup, trace, changes) in rows.items():
+        change_text = " ".join(f"{seconds:.1f} ({seconds / one:.2f}x)" for seconds, one in zip(changes, base[3]))
         print(f"{replicas:8d} {wall:8.1f} {wall / plain:8.2f}x {startup:14.1f} {startup / base[1]:12.2f}x "
-              f"{trace:8.1f} {trace / base[2]:12.2f}x")
+              f"{trace:8.1f} {trace / base[2]:12.2f}x  {change_text}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class EpochStats:
     step_seconds: float = 0.0  # in the train steps (syncs included): RETURNN's "computing time"
     data_wait_seconds: float = 0.0  # waiting for the next batch
     data_making_seconds: float = 0.0  # making the batch lists (a producer does so while the epoch before trains)
-    trace_seconds: float = 0.0  # building the network in every replica's trace (at the start, at a network change)
+    trace_seconds: float = 0.0  # building the network and tracing the train step (at the start, at a network change)
     startup_seconds: Optional[float] = None  # the process's first epoch: from its start to the first step's end
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import threading
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -59,6 +60,7 @@ def setup_returnn():
     tf_values.DistributedVariable.set_shape = set_shape_if_compatible
     _make_returnn_gradients_tape_aware()
     _make_the_trace_returnns_root_graph()
+    _route_stateful_random_ops()
     _RETURNN_READY = True
 
 
@@ -124,15 +126,122 @@ class StepRandomSource:
 
     algorithm = 1  # Philox, TensorFlow's default generator algorithm (its counter is two uint64)
 
-    def __init__(self, seed: int, step: Optional[tf.Variable]):
-        self.seed, self.step, self.draws = seed, step, 0
+    def __init__(self, seed, step: Optional[tf.Variable]):
+        self.seed, self.step, self.draws = seed, step, 0  # seed: an int, or (shared build) an int64 tensor
 
     def _prepare_key_counter(self, shape):
         del shape  # each draw has a counter of its own, whatever its size
         self.draws += 1
         step = tf.zeros([], tf.int64) if self.step is None else tf.cast(self.step, tf.int64)
         counter = tf.bitcast(tf.stack([step, tf.constant(self.draws, tf.int64)]), tf.uint64)
-        return tf.constant([self.seed], tf.uint64), counter
+        return tf.reshape(tf.bitcast(tf.cast(self.seed, tf.int64), tf.uint64), [1]), counter
+
+
+class SharedBuildUnsupported(Exception):
+    """The network cannot be built once for all replicas (a random op without a stateless form,
+    a parameter the first build did not create); each replica builds its own instead."""
+
+
+@dataclasses.dataclass
+class SharedBuild:
+    """The inputs of a network build that all local replicas share (a function traced once and
+    called by each replica with its own values; FACTS.md, "One trace for all replicas").
+
+    :ivar variables: the replica's parameters (and other variables) by name, as variables over
+        the function's resource-handle inputs.
+    :ivar replica_seed: the replica's network seed (int64 scalar), which keys its random numbers.
+    """
+
+    variables: Dict[str, tf.Variable]
+    replica_seed: tf.Tensor
+
+
+def variables_over_handles(handles: List[tf.Tensor], like: List[tf.Variable]) -> List[tf.Variable]:
+    """Variables that read and write through ``handles`` (a function's resource inputs), each with
+    the name, shape, dtype and trainability of its counterpart in ``like``."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    return [
+        resource_variable_ops.BaseResourceVariable(
+            trainable=var.trainable, shape=var.shape, dtype=var.dtype, handle=handle, handle_name=var.name,
+            unique_id=f"shared_{var.name}", in_graph_mode=False,
+        )
+        for handle, var in zip(handles, like)
+    ]
+
+
+@contextlib.contextmanager
+def _random_ops_keyed_by(replica_seed: tf.Tensor, step) -> Iterator[None]:
+    """TensorFlow's stateful random ops, while a shared build runs on this thread, become stateless
+    ones keyed by (replica seed, op index, update step, and the iteration of every enclosing
+    while loop), so that the replicas calling one traced function draw different numbers, each op
+    new ones per update and loop iteration (FACTS.md, "One trace for all replicas")."""
+    from tensorflow.python.ops import gen_stateless_random_ops
+    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph, WhileBodyFuncGraph
+
+    step = tf.zeros([], tf.int64) if step is None else tf.cast(tf.convert_to_tensor(step), tf.int64)
+    ops_made = [0]
+
+    def next_key():
+        ops_made[0] += 1
+        key = tf.stack([tf.cast(replica_seed, tf.int64), tf.constant(ops_made[0], tf.int64)])
+        key = tf.random.experimental.stateless_fold_in(key, step)
+        graph = tf.compat.v1.get_default_graph()
+        while isinstance(graph, ControlFlowFuncGraph):
+            if isinstance(graph, WhileBodyFuncGraph):  # its first input counts the iterations
+                key = tf.random.experimental.stateless_fold_in(key, tf.cast(graph.inputs[0], tf.int64))
+            graph = graph.outer_graph
+        return key
+
+    # The stateful ops' arguments; their seed attributes are replaced by the key.
+    def uniform(shape, dtype, seed=0, seed2=0, name=None):
+        return gen_stateless_random_ops.stateless_random_uniform(shape, next_key(), dtype=dtype, name=name)
+
+    def normal(shape, dtype, seed=0, seed2=0, name=None):
+        return gen_stateless_random_ops.stateless_random_normal(shape, next_key(), dtype=dtype, name=name)
+
+    def truncated(shape, dtype, seed=0, seed2=0, name=None):
+        return gen_stateless_random_ops.stateless_truncated_normal(shape, next_key(), dtype=dtype, name=name)
+
+    def uniform_int(shape, minval, maxval, seed=0, seed2=0, name=None):
+        return gen_stateless_random_ops.stateless_random_uniform_int(shape, next_key(), minval, maxval, name=name)
+
+    def multinomial(logits, num_samples, seed=0, seed2=0, output_dtype=tf.int64, name=None):
+        return gen_stateless_random_ops.stateless_multinomial(logits, num_samples, next_key(), output_dtype, name=name)
+
+    def refuse(op_name):
+        def unsupported(*args, **kwargs):
+            raise SharedBuildUnsupported(f"the network uses TensorFlow's {op_name}, which has no stateless form")
+        return unsupported
+
+    _SHARED_RANDOM.ops = {"random_uniform": uniform, "random_standard_normal": normal, "truncated_normal": truncated,
+                          "random_uniform_int": uniform_int, "multinomial": multinomial,
+                          **{name: refuse(name) for name in _STATEFUL_WITHOUT_STATELESS}}
+    try:
+        yield
+    finally:
+        _SHARED_RANDOM.ops = None
+
+
+_STATEFUL_WITHOUT_STATELESS = ["random_shuffle", "random_gamma", "random_poisson", "random_poisson_v2",
+                               "parameterized_truncated_normal"]
+_SHARED_RANDOM = threading.local()  # the stateless replacements while a shared build runs on this thread
+
+
+def _route_stateful_random_ops():
+    """TensorFlow's stateful random ops go to :func:`_random_ops_keyed_by`'s replacements while a
+    shared build runs on the calling thread, else to TensorFlow's own (process-wide, once)."""
+    from tensorflow.python.ops import gen_random_ops
+
+    for name in ["random_uniform", "random_standard_normal", "truncated_normal", "random_uniform_int", "multinomial",
+                 *_STATEFUL_WITHOUT_STATELESS]:
+        original = getattr(gen_random_ops, name)
+
+        def routed(*args, _name=name, _original=original, **kwargs):
+            ops = getattr(_SHARED_RANDOM, "ops", None)
+            return _original(*args, **kwargs) if ops is None else ops[_name](*args, **kwargs)
+
+        setattr(gen_random_ops, name, routed)
 
 
 def _make_returnn_gradients_tape_aware():
@@ -253,19 +362,35 @@ class VariableCache(tf.Module):
             self.replaced[name] = var
             var = None
         if var is None:
+            # A TF1 caching device (a function of the op, which dynamic_rnn sets) means nothing to an
+            # eager variable, and tf.device refuses a function there.
+            kwargs.pop("caching_device", None)
             with tf.init_scope():
                 if callable(kwargs.get("initial_value")):
                     kwargs["initial_value"] = self.initial_value_as_in_graph(kwargs["initial_value"])
                 var = next_creator(**kwargs)
             self.by_name[name] = var
         self.in_network.add(name)
+        self._add_to_collections(var, kwargs.get("trainable", True))
+        return var
+
+    @staticmethod
+    def _add_to_collections(var: tf.Variable, trainable: bool):
         graph = tf.compat.v1.get_default_graph()
         collections = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES]
-        if kwargs.get("trainable", True):
+        if trainable:
             collections.append(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
         for key in collections:
             if not any(v is var for v in graph.get_collection(key)):
                 graph.add_to_collection(key, var)
+
+    def lend(self, variables: Dict[str, tf.Variable], next_creator, **kwargs):
+        """A creator for a shared build: hands out ``variables[name]``, creates nothing."""
+        del next_creator
+        var = variables.get(kwargs["name"])
+        if var is None or tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape)):
+            raise SharedBuildUnsupported(f"parameter {kwargs['name']} was not made by the network's first build")
+        self._add_to_collections(var, kwargs.get("trainable", True))
         return var
 
     def initial_value_as_in_graph(self, initial_value):
@@ -511,14 +636,17 @@ class NetworkBuilder:
                 param_shapes={v.name.split(":")[0]: v.shape.as_list() for v in sorted(net.get_params_list(), key=lambda v: v.name)},
             )
 
-    def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int, global_step=None):
+    def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int, global_step=None,
+              shared: Optional[SharedBuild] = None):
         """Builds a ``TFNetwork`` on ``inputs`` (data keys and ``size:<key>:<axis>`` lengths).
 
         Call inside a replica's trace. ``replica_id`` offsets the random seed, so replicas drop
         different units (FACTS.md, "Seeds per replica"). ``global_step`` (the optimizer's step
         counter) is what the network's ``global_train_step`` reads (SpecAugment-style schedules
-        do). Returns the network and its trainable parameters as ``(name, variable)`` pairs
-        sorted by name (the same order on every replica).
+        do). With ``shared``, the build is one function that every local replica calls: the
+        parameters are ``shared.variables`` (none is created) and ``shared.replica_seed`` keys
+        the random numbers. Returns the network and its trainable parameters as ``(name,
+        variable)`` pairs sorted by name (the same order on every replica).
         """
         from returnn.tf.network import TFNetwork
         from returnn.tf.util.data import BatchInfo
@@ -552,9 +680,11 @@ class NetworkBuilder:
         else:  # the batch info of extern_data_template is a stand-in, which its dims refer to
             extern_data.get_batch_info().dim = batch
             extern_data.init_batch_info()
-        random_source = StepRandomSource(self.net_seed + 1000 * replica_id, global_step)
-        with fresh_tf1_state(), tf.variable_creator_scope(self.variables.creator), _layer_templates_unlogged(), \
-                _drawing_from(random_source):
+        seed = shared.replica_seed if shared else self.net_seed + 1000 * replica_id
+        creator = functools.partial(self.variables.lend, shared.variables) if shared else self.variables.creator
+        random_ops = _random_ops_keyed_by(seed, global_step) if shared else contextlib.nullcontext()
+        with fresh_tf1_state(), tf.variable_creator_scope(creator), _layer_templates_unlogged(), \
+                _drawing_from(StepRandomSource(seed, global_step)), random_ops:
             net = TFNetwork(
                 config=self.config,
                 extern_data=extern_data,

@@ -22,14 +22,18 @@ own and applies), then noise and clipping (:class:`returnn_tpu.optimizers.Gradie
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
+from tensorflow.python.distribute.values import DistributedValues
+from tensorflow.python.framework import func_graph
 
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer, StepLearningRate
-from returnn_tpu.returnn_bridge import NetworkBuilder, loss_metrics, static_replica_id, without_summaries
+from returnn_tpu.returnn_bridge import NetworkBuilder, SharedBuild, SharedBuildUnsupported, loss_metrics
+from returnn_tpu.returnn_bridge import static_replica_id, variables_over_handles, without_summaries
 from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step, varying_shapes_spec
 from returnn_tpu.sync import ParameterAveraging, SyncDue, mean_over_all_replicas, mean_within_groups
 from returnn_tpu.sync import split_into_fragments
@@ -81,6 +85,11 @@ class ReplicaSteps:
         self.compile_seconds = 0.0  # those calls' time: trace, compilation (or cache load), one step
         self.nonfinite: Dict[str, tf.Variable] = {}  # see take_nonfinite()
         self.gradient_bytes = 0  # this worker's gradients in one update's all-reduce (synchronous strategies)
+        # Without XLA, on several local devices: one trace of the network for all local replicas,
+        # each calling it with its own variables (FACTS.md, "One trace for all replicas").
+        self.shared_trace = not jit_compile and not self.in_step and self.local_replicas > 1
+        self._shared_functions: Dict[str, Optional[tf.types.experimental.ConcreteFunction]] = {}
+        self._shared_lock = threading.Lock()  # the replicas' trace threads: the first traces, the others wait
         # With XLA: one trace (and compilation) per bucket shape; else one trace for all shapes.
         self._train = tf.function(
             self._train_in_replica_fn if self.in_step else self._train_fn,
@@ -119,15 +128,17 @@ class ReplicaSteps:
         """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
         traces the train step, on one batch per local replica."""
         self.optimizer.create_step(self.strategy)
-        # The variables come from one build of the network, as the first replica (a trace never
-        # run): one build, not one per replica. They are made in cross-replica context all the
-        # same (FACTS.md, "Variables in a trace").
+        # The variables come from one build of the network, as the first replica, in a graph never
+        # run: one build, not one per replica. They are made in cross-replica context all the
+        # same (FACTS.md, "Variables in a trace"). A plain FuncGraph, not a tf.function, which
+        # traces twice when its first trace creates variables.
         def first_replica_build(batch):
             with tf.distribute.ReplicaContext(self.strategy, replica_id_in_sync_group=self.first_replica):
                 return self._forward_backward(batch, 0)
 
         with self.strategy.scope():
-            tf.function(first_replica_build, autograph=False).get_concrete_function(self._signature(first_step[0]))
+            func_graph.func_graph_from_py_func("returnn_tpu_variables", first_replica_build, None, None,
+                                               signature=[self._signature(first_step[0])])
         self.optimizer.create_state(self.strategy, list(self.trainable().values()))
         if self.accumulators is not None:
             with self.strategy.scope():
@@ -244,23 +255,63 @@ class ReplicaSteps:
     # ---- traced ---------------------------------------------------------------------------------
 
     def _replica_train(self, batch):
-        """One replica's gradients (clipped) and metrics, compiled by XLA with ``jit_compile``."""
+        """One replica's gradients and metrics, compiled by XLA with ``jit_compile``."""
         if self._jit_forward_backward is not None:
             return self._jit_forward_backward(batch, static_replica_id())
-        return self._forward_backward(batch, static_replica_id())
+        shared = self._built_once_for_all_replicas("train", batch)
+        return shared if shared is not None else self._forward_backward(batch, static_replica_id())
+
+    def _built_once_for_all_replicas(self, kind: str, batch):
+        """What ``kind`` (``"train"``: gradients and metrics; ``"eval"``: metrics) gives for this
+        replica's ``batch``, from one function that the first replica to get here traces and every
+        local replica calls with its own variables and seed. None where that cannot be (without
+        :attr:`shared_trace`, or a network that cannot be built so): each replica builds its own."""
+        if not self.shared_trace:
+            return None
+        names = sorted(self.builder.variables.in_network)
+        variables = [self.builder.variables.by_name[name] for name in names]
+        if self.optimizer.step is not None:  # the network's global_train_step (none before the first update)
+            variables.append(self.optimizer.step)
+        local = static_replica_id() - self.first_replica
+        own = [var.values[local] if isinstance(var, DistributedValues) else var for var in variables]
+        args = (batch, tf.constant(self.builder.net_seed + 1000 * static_replica_id(), tf.int64),
+                [var.handle for var in own])
+        with self._shared_lock:
+            if kind not in self._shared_functions:
+                self._shared_functions[kind] = self._trace_for_all_replicas(kind, args, names, variables)
+            function = self._shared_functions[kind]
+        return function(*args) if function is not None else None
+
+    def _trace_for_all_replicas(self, kind: str, args: tuple, names: List[str], variables: List[tf.Variable]):
+        from returnn.log import log
+
+        def build_from_inputs(batch, replica_seed, handles):
+            params = variables_over_handles(handles, variables)
+            step = params.pop() if len(params) > len(names) else None
+            shared = SharedBuild(dict(zip(names, params)), replica_seed)
+            if kind == "train":
+                return self._forward_backward(batch, 0, shared=shared, global_step=step)
+            return self._eval_metrics(batch, 0, shared=shared, global_step=step)
+
+        try:
+            return tf.function(build_from_inputs, autograph=False).get_concrete_function(*args)
+        except SharedBuildUnsupported as exc:
+            print(f"returnn-tpu: each replica builds the {kind} network in a trace of its own: {exc}", file=log.v2)
+            return None
 
     def _forward_backward_xla(self, batch, replica_id: int):
         self.compiled_shapes.add(tuple(sorted((k, tuple(v.shape)) for k, v in batch.items())))
         with without_summaries():  # summary ops have no XLA kernel (FACTS.md, "XLA")
             return self._forward_backward(batch, replica_id)
 
-    def _forward_backward(self, batch, replica_id: int):
+    def _forward_backward(self, batch, replica_id: int, shared: Optional[SharedBuild] = None, global_step=None):
         from returnn.log import log
 
         with tf.GradientTape() as outer_tape:  # only used for maximize_grad_norm (a second derivative)
             with tf.GradientTape() as tape:
                 net, params = self.builder.build(
-                    batch, train=True, replica_id=replica_id, global_step=self.optimizer.step
+                    batch, train=True, replica_id=replica_id, global_step=self.optimizer.step if global_step is None else global_step,
+                    shared=shared,
                 )
                 objective = net.get_objective()
             names = [name for name, _ in params]
@@ -365,15 +416,19 @@ class ReplicaSteps:
         """One replica's eval metrics, scaled by its weight; compiled by XLA with ``jit_compile``."""
         if self._jit_evaluate is not None:
             return self._jit_evaluate(batch, weight, static_replica_id())
-        return self._evaluate_metrics(batch, weight, static_replica_id())
+        metrics = self._built_once_for_all_replicas("eval", batch)
+        if metrics is None:
+            metrics = self._eval_metrics(batch, static_replica_id())
+        return {key: value * weight for key, value in metrics.items()}
 
     def _evaluate_xla(self, batch, weight, replica_id: int):
         with without_summaries():
-            return self._evaluate_metrics(batch, weight, replica_id)
+            return {key: value * weight for key, value in self._eval_metrics(batch, replica_id).items()}
 
-    def _evaluate_metrics(self, batch, weight, replica_id: int):
-        net, _ = self.builder.build(batch, train=False, replica_id=replica_id, global_step=self.optimizer.step)
-        return {key: value * weight for key, value in loss_metrics(net, train=False).items()}
+    def _eval_metrics(self, batch, replica_id: int, shared: Optional[SharedBuild] = None, global_step=None):
+        net, _ = self.builder.build(batch, train=False, replica_id=replica_id,
+                                    global_step=self.optimizer.step if global_step is None else global_step, shared=shared)
+        return loss_metrics(net, train=False)
 
     def _evaluate_fn(self, batch, weight):
         return self.strategy.run(self._replica_evaluate, args=(batch, weight))
