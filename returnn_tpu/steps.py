@@ -294,7 +294,10 @@ class ReplicaSteps:
             return self._eval_metrics(batch, 0, shared=shared, global_step=step)
 
         try:
-            return tf.function(build_from_inputs, autograph=False).get_concrete_function(*args)
+            # Not inlined into the train step: each replica's device instantiates the one body,
+            # where inlining would optimize N copies of it in one graph (FACTS.md, "One trace for all replicas").
+            function = tf.function(build_from_inputs, autograph=False, experimental_attributes={"_noinline": True})
+            return function.get_concrete_function(*args)
         except SharedBuildUnsupported as exc:
             print(f"returnn-tpu: each replica builds the {kind} network in a trace of its own: {exc}", file=log.v2)
             return None
@@ -310,8 +313,8 @@ class ReplicaSteps:
         with tf.GradientTape() as outer_tape:  # only used for maximize_grad_norm (a second derivative)
             with tf.GradientTape() as tape:
                 net, params = self.builder.build(
-                    batch, train=True, replica_id=replica_id, global_step=self.optimizer.step if global_step is None else global_step,
-                    shared=shared,
+                    batch, train=True, replica_id=replica_id, shared=shared,
+                    global_step=self.optimizer.step if global_step is None else global_step,
                 )
                 objective = net.get_objective()
             names = [name for name, _ in params]
@@ -426,8 +429,8 @@ class ReplicaSteps:
             return {key: value * weight for key, value in self._eval_metrics(batch, replica_id).items()}
 
     def _eval_metrics(self, batch, replica_id: int, shared: Optional[SharedBuild] = None, global_step=None):
-        net, _ = self.builder.build(batch, train=False, replica_id=replica_id,
-                                    global_step=self.optimizer.step if global_step is None else global_step, shared=shared)
+        step = self.optimizer.step if global_step is None else global_step
+        net, _ = self.builder.build(batch, train=False, replica_id=replica_id, global_step=step, shared=shared)
         return loss_metrics(net, train=False)
 
     def _evaluate_fn(self, batch, weight):
