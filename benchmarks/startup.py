@@ -8,7 +8,11 @@ other, and prints for each: the whole process's wall time, and from returnn-tpu'
 (``trace_seconds`` of epoch 1) and in the later epochs whose network changed (``pretrain``,
 ``get_network``), with their ratio to one replica.
 
-    python benchmarks/startup.py CONFIG [--replicas 1 2 4 8] [--epochs 2]
+    python benchmarks/startup.py CONFIG [--replicas 1 2 4 8] [--epochs 2] [--set KEY VALUE ...]
+
+``--single`` runs ``distribute_strategy = "single"`` instead, with returnn-tpu's defaults (its data
+producer process): the whole-process comparison with plain RETURNN on one device. ``--set``
+adds ``++KEY VALUE`` to every command.
 """
 
 from __future__ import annotations
@@ -40,17 +44,25 @@ def main():
     parser.add_argument("config")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--single", action="store_true", help="distribute_strategy 'single', defaults")
+    parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     args = parser.parse_args()
     config = os.path.abspath(args.config)
     work = tempfile.mkdtemp(prefix="returnn_tpu_startup_")
     settings = ["++model", "out/model", "++num_epochs", str(args.epochs), "++learning_rate_file", "out/lr",
                 "++log", "out/log"]
+    for key, value in args.set:
+        settings += [f"++{key}", value]
+    if args.single:
+        args.replicas = [1]
     plain = run([sys.executable, "-m", "returnn", config, *settings], os.path.join(work, "plain"))
     rows = {}
     for replicas in args.replicas:
         folder = os.path.join(work, f"replicas-{replicas}")
-        wall = run([sys.executable, "-m", "returnn_tpu.cli", config, *settings, "++distribute_strategy", "local_sgd",
-                    "++distribute_options", repr({"num_replicas": replicas, "data_producer": "thread"})], folder)
+        strategy = ["++distribute_strategy", "single", "++distribute_options", "{}"] if args.single else [
+            "++distribute_strategy", "local_sgd",
+            "++distribute_options", repr({"num_replicas": replicas, "data_producer": "thread"})]
+        wall = run([sys.executable, "-m", "returnn_tpu.cli", config, *settings, *strategy], folder)
         with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
             first, *later = [json.loads(line) for line in f]
         changes = [epoch["trace_seconds"] for epoch in later if epoch.get("trace_seconds")]

@@ -163,8 +163,9 @@ def variables_over_handles(handles: List[tf.Tensor], like: List[tf.Variable]) ->
 
     return [
         resource_variable_ops.BaseResourceVariable(
-            trainable=var.trainable, shape=var.shape, dtype=var.dtype, handle=handle, handle_name=var.name,
-            unique_id=f"shared_{var.name}", in_graph_mode=False,
+            # The name without its ":0", which the variable adds (RETURNN keys a layer's params by it).
+            trainable=var.trainable, shape=var.shape, dtype=var.dtype, handle=handle,
+            handle_name=var.name.rsplit(":", 1)[0], unique_id=f"shared_{var.name}", in_graph_mode=False,
         )
         for handle, var in zip(handles, like)
     ]

@@ -8,9 +8,11 @@ import tensorflow as tf
 
 from conftest import make_trainer, random_step_batches, replica_values
 
-LSTM = {
+LSTM = {  # with a layer that shares another's parameters (RETURNN finds them by name)
     "l": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"},
-    "output": {"class": "softmax", "loss": "ce", "from": "l"},
+    "proj": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "l"},
+    "proj_shared": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "proj", "reuse_params": "proj"},
+    "output": {"class": "softmax", "loss": "ce", "from": "proj_shared"},
 }
 
 
