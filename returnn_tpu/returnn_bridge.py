@@ -215,8 +215,8 @@ def _random_ops_keyed_by(replica_seed: tf.Tensor, step) -> Iterator[None]:
             raise SharedBuildUnsupported(f"the network uses TensorFlow's {op_name}, which has no stateless form")
         return unsupported
 
-    _SHARED_RANDOM.ops = {"random_uniform": uniform, "random_standard_normal": normal, "truncated_normal": truncated,
-                          "random_uniform_int": uniform_int, "multinomial": multinomial,
+    stateless = (uniform, normal, truncated, uniform_int, multinomial)
+    _SHARED_RANDOM.ops = {**dict(zip(_STATEFUL_WITH_STATELESS, stateless)),
                           **{name: refuse(name) for name in _STATEFUL_WITHOUT_STATELESS}}
     try:
         yield
@@ -224,8 +224,11 @@ def _random_ops_keyed_by(replica_seed: tf.Tensor, step) -> Iterator[None]:
         _SHARED_RANDOM.ops = None
 
 
-_STATEFUL_WITHOUT_STATELESS = ["random_shuffle", "random_gamma", "random_poisson", "random_poisson_v2",
-                               "parameterized_truncated_normal"]
+# TensorFlow's stateful random ops (gen_random_ops), with a stateless form and without.
+_STATEFUL_WITH_STATELESS = ("random_uniform", "random_standard_normal", "truncated_normal", "random_uniform_int",
+                            "multinomial")
+_STATEFUL_WITHOUT_STATELESS = ("random_shuffle", "random_gamma", "random_poisson", "random_poisson_v2",
+                               "parameterized_truncated_normal")
 _SHARED_RANDOM = threading.local()  # the stateless replacements while a shared build runs on this thread
 
 
@@ -234,8 +237,7 @@ def _route_stateful_random_ops():
     shared build runs on the calling thread, else to TensorFlow's own (process-wide, once)."""
     from tensorflow.python.ops import gen_random_ops
 
-    for name in ["random_uniform", "random_standard_normal", "truncated_normal", "random_uniform_int", "multinomial",
-                 *_STATEFUL_WITHOUT_STATELESS]:
+    for name in _STATEFUL_WITH_STATELESS + _STATEFUL_WITHOUT_STATELESS:
         original = getattr(gen_random_ops, name)
 
         def routed(*args, _name=name, _original=original, **kwargs):
