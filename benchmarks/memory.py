@@ -81,8 +81,8 @@ def main():
         config = os.path.abspath(config)
         work = tempfile.mkdtemp(prefix="returnn_tpu_memory_")
         plain = peak_rss([sys.executable, "-m", "returnn", config, *settings], os.path.join(work, "plain"))
-        ours = peak_rss([sys.executable, "-m", "returnn_tpu.cli", config, *settings, "++distribute_strategy", "local_sgd",
-                         "++distribute_options", "{'num_replicas': 1}"],
+        ours = peak_rss([sys.executable, "-m", "returnn_tpu.cli", config, *settings,
+                         "++distribute_strategy", "local_sgd", "++distribute_options", "{'num_replicas': 1}"],
                         os.path.join(work, "returnn_tpu"))
         print(f"{os.path.basename(config):<44s} {plain / 2**20:9.0f} {ours / 2**20:15.0f} {ours / plain:6.2f}x",
               flush=True)
