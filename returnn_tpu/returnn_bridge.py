@@ -359,7 +359,7 @@ class VariableCache(tf.Module):
     def creator(self, next_creator, **kwargs):
         name = kwargs["name"]
         var = self.by_name.get(name)
-        if var is not None and tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape)):
+        if var is not None and self._asked_with_other_shape(var, kwargs):
             if not self.allow_new_shapes:
                 raise ValueError(f"parameter {name} exists with shape {var.shape}, asked for {kwargs.get('shape')}")
             self.replaced[name] = var
@@ -378,6 +378,10 @@ class VariableCache(tf.Module):
         return var
 
     @staticmethod
+    def _asked_with_other_shape(var: tf.Variable, kwargs) -> bool:
+        return tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape))
+
+    @staticmethod
     def _add_to_collections(var: tf.Variable, trainable: bool):
         graph = tf.compat.v1.get_default_graph()
         collections = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES]
@@ -391,7 +395,7 @@ class VariableCache(tf.Module):
         """A creator for a shared build: hands out ``variables[name]``, creates nothing."""
         del next_creator
         var = variables.get(kwargs["name"])
-        if var is None or tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape)):
+        if var is None or self._asked_with_other_shape(var, kwargs):
             raise SharedBuildUnsupported(f"parameter {kwargs['name']} was not made by the network's first build")
         self._add_to_collections(var, kwargs.get("trainable", True))
         return var
@@ -639,6 +643,10 @@ class NetworkBuilder:
                 param_shapes={v.name.split(":")[0]: v.shape.as_list() for v in sorted(net.get_params_list(), key=lambda v: v.name)},
             )
 
+    def replica_seed(self, replica_id: int) -> int:
+        """The network seed of replica ``replica_id`` (FACTS.md, "Seeds per replica")."""
+        return self.net_seed + 1000 * replica_id
+
     def build(self, inputs: Mapping[str, tf.Tensor], *, train: bool, replica_id: int, global_step=None,
               shared: Optional[SharedBuild] = None):
         """Builds a ``TFNetwork`` on ``inputs`` (data keys and ``size:<key>:<axis>`` lengths).
@@ -683,7 +691,7 @@ class NetworkBuilder:
         else:  # the batch info of extern_data_template is a stand-in, which its dims refer to
             extern_data.get_batch_info().dim = batch
             extern_data.init_batch_info()
-        seed = shared.replica_seed if shared else self.net_seed + 1000 * replica_id
+        seed = shared.replica_seed if shared else self.replica_seed(replica_id)
         creator = functools.partial(self.variables.lend, shared.variables) if shared else self.variables.creator
         random_ops = _random_ops_keyed_by(seed, global_step) if shared else contextlib.nullcontext()
         with fresh_tf1_state(), tf.variable_creator_scope(creator), _layer_templates_unlogged(), \
@@ -691,7 +699,7 @@ class NetworkBuilder:
             net = TFNetwork(
                 config=self.config,
                 extern_data=extern_data,
-                rnd_seed=self.net_seed + 1000 * replica_id,
+                rnd_seed=self.replica_seed(replica_id),
                 # RETURNN evaluates with its train-flag placeholder fed False, not a Python False:
                 # a Python False removes the losses of rec subnetworks (FACTS.md, "Eval networks").
                 train_flag=True if train else tf.constant(False),

@@ -274,7 +274,7 @@ class ReplicaSteps:
             variables.append(self.optimizer.step)
         local = static_replica_id() - self.first_replica
         own = [var.values[local] if isinstance(var, DistributedValues) else var for var in variables]
-        args = (batch, tf.constant(self.builder.net_seed + 1000 * static_replica_id(), tf.int64),
+        args = (batch, tf.constant(self.builder.replica_seed(static_replica_id()), tf.int64),
                 [var.handle for var in own])
         with self._shared_lock:
             if kind not in self._shared_functions:

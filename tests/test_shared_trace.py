@@ -56,7 +56,7 @@ def test_one_trace_for_four_replicas_trains_as_one_trace_per_replica(tmp_path, s
     assert shared_builds[2:] == [False]
 
 
-def test_a_network_change_builds_once_for_all_replicas(tmp_path):
+def test_a_network_change_builds_twice_for_four_replicas(tmp_path):
     def get_network(epoch, **_):
         net = {"l1": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "data"}}
         if epoch > 1:
@@ -73,6 +73,22 @@ def test_a_network_change_builds_once_for_all_replicas(tmp_path):
     trainer.train_step(random_step_batches(rng, 4), 0.1)
     assert len(builds) == 2  # the new variables, and the train step's one trace
     assert "l2/W" in trainer.builder.variables.by_name
+
+
+def test_a_random_op_without_a_stateless_form_gives_each_replica_its_own_trace(tmp_path):
+    """``tf.random.shuffle`` has no stateless form: the shared trace is given up and each of the
+    4 replicas builds its own (1 + 1 + 4 builds), and training goes on."""
+    network = {
+        "l": {"class": "linear", "activation": "tanh", "n_out": 8, "from": "data"},
+        "shuffled": {"class": "eval", "eval": "tf.random.shuffle(source(0))", "from": "l"},
+        "output": {"class": "softmax", "loss": "ce", "from": "shuffled"},
+    }
+    trainer = make_trainer(tmp_path, network, strategy="mirrored", num_replicas=4)
+    builds = count_builds(trainer)
+    metrics = trainer.train_step(random_step_batches(numpy.random.RandomState(0), 4), 0.1)
+    assert len(builds) == 1 + 1 + 4
+    losses = [float(v) for v in trainer.strategy.experimental_local_results(metrics["cost:output"])]
+    assert all(numpy.isfinite(losses)) and all(loss > 0 for loss in losses)
 
 
 def test_replicas_of_one_trace_drop_different_units(tmp_path):
