@@ -2,11 +2,13 @@
 
 Runs ``python -m returnn CONFIG`` once and ``returnn-tpu CONFIG`` with ``local_sgd`` on 1, 2, 4, ...
 logical CPU devices (the data on a thread), ``--epochs`` epochs each (default 1), one after the
-other, and prints for each: the whole process's wall time, and from returnn-tpu's
-``metrics.jsonl`` the seconds from its start to the end of its first train step
-(``startup_seconds``), the seconds building the network and tracing the train step at the start
-(``trace_seconds`` of epoch 1) and in the later epochs whose network changed (``pretrain``,
-``get_network``), with their ratio to one replica.
+other, both with ``log_verbosity`` 5 (a line per step), and prints for each: the whole process's
+wall time; the seconds from the command to the end of the first train step (when its line is
+printed); for each network change (``pretrain``, ``get_network``), the seconds from the line
+``reinit because network description differs`` (which both print) to the end of the new network's
+first step; and from returnn-tpu's ``metrics.jsonl`` the seconds building the network and tracing
+the train step at the start (``trace_seconds`` of epoch 1). Ratios are against plain RETURNN and
+against one replica.
 
     python benchmarks/startup.py CONFIG [--replicas 1 2 4 8] [--epochs 2] [--set KEY VALUE ...]
 
@@ -20,23 +22,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from typing import List, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(command, folder: str) -> float:
-    """Runs ``command`` in ``folder``; its wall time, or an exit naming it if it fails."""
+FIRST_STEP = re.compile(r"epoch \d+, step 0,")  # a train step's line at log_verbosity 5 (an eval's says "eval, step 0")
+NETWORK_CHANGE = "reinit because network description differs"
+
+
+def run(command, folder: str) -> Tuple[float, float, List[float]]:
+    """Runs ``command`` in ``folder``: its wall time, the seconds to its first train step's line, and
+    per network change the seconds from its announcement to the new network's first step; or an
+    exit naming the command if it fails."""
     os.makedirs(os.path.join(folder, "out"))
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=folder, capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", DISABLE_CUDA="1"))  # plain RETURNN: FACTS.md, "Native ops"
-    if result.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed (status {result.returncode}):\n{result.stderr[-3000:]}")
-    return time.perf_counter() - start
+    process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", DISABLE_CUDA="1"))  # plain RETURNN: FACTS.md, "Native ops"
+    first_step, changes, change_start, tail = None, [], None, []
+    for line in process.stdout:
+        now = time.perf_counter() - start
+        tail = (tail + [line])[-40:]
+        if NETWORK_CHANGE in line:
+            change_start = now
+        elif FIRST_STEP.search(line):
+            if first_step is None:
+                first_step = now
+            elif change_start is not None:
+                changes.append(now - change_start)
+            change_start = None
+    if process.wait() != 0 or first_step is None:
+        sys.exit(f"{' '.join(command)} failed (status {process.returncode}):\n{''.join(tail)}")
+    return time.perf_counter() - start, first_step, changes
 
 
 def main():
@@ -50,7 +72,7 @@ def main():
     config = os.path.abspath(args.config)
     work = tempfile.mkdtemp(prefix="returnn_tpu_startup_")
     settings = ["++model", "out/model", "++num_epochs", str(args.epochs), "++learning_rate_file", "out/lr",
-                "++log", "out/log"]
+                "++log", "out/log", "++log_verbosity", "5"]
     for key, value in args.set:
         settings += [f"++{key}", value]
     if args.single:
@@ -62,20 +84,21 @@ def main():
         strategy = ["++distribute_strategy", "single", "++distribute_options", "{}"] if args.single else [
             "++distribute_strategy", "local_sgd",
             "++distribute_options", repr({"num_replicas": replicas, "data_producer": "thread"})]
-        wall = run([sys.executable, "-m", "returnn_tpu.cli", config, *settings, *strategy], folder)
+        measured = run([sys.executable, "-m", "returnn_tpu.cli", config, *settings, *strategy], folder)
         with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
-            first, *later = [json.loads(line) for line in f]
-        changes = [epoch["trace_seconds"] for epoch in later if epoch.get("trace_seconds")]
-        rows[replicas] = (wall, first["startup_seconds"], first["trace_seconds"], changes)
+            trace = json.loads(f.readline())["trace_seconds"]
+        rows[replicas] = (*measured, trace)
     epochs = "one epoch" if args.epochs == 1 else f"{args.epochs} epochs"
-    print(f"{os.path.basename(config)}: {epochs}; plain RETURNN (python -m returnn): {plain:.1f} s wall")
-    print(f"{'replicas':>8s} {'wall s':>8s} {'vs plain':>9s} {'to 1st step s':>14s} {'vs 1 replica':>13s} "
-          f"{'trace s':>8s} {'vs 1 replica':>13s}  network changes s (vs 1 replica)")
-    base = rows[args.replicas[0]]
-    for replicas, (wall, startup, trace, changes) in rows.items():
-        change_text = " ".join(f"{seconds:.1f} ({seconds / one:.2f}x)" for seconds, one in zip(changes, base[3]))
-        print(f"{replicas:8d} {wall:8.1f} {wall / plain:8.2f}x {startup:14.1f} {startup / base[1]:12.2f}x "
-              f"{trace:8.1f} {trace / base[2]:12.2f}x  {change_text}")
+    print(f"{os.path.basename(config)}: {epochs}; plain RETURNN (python -m returnn): {plain[0]:.1f} s wall, "
+          f"first step after {plain[1]:.1f} s, network changes {' '.join(f'{s:.1f}' for s in plain[2])} s")
+    print(f"{'replicas':>8s} {'wall s':>7s} {'vs plain':>9s} {'to 1st step s':>14s} {'vs plain':>9s} "
+          f"{'vs 1 replica':>13s} {'trace s':>8s} {'vs 1 replica':>13s}  network changes s (vs plain, vs 1 replica)")
+    one = rows[args.replicas[0]]
+    for replicas, (wall, first_step, changes, trace) in rows.items():
+        change_text = " ".join(f"{seconds:.1f} ({seconds / base:.2f}x, {seconds / single:.2f}x)"
+                               for seconds, base, single in zip(changes, plain[2], one[2]))
+        print(f"{replicas:8d} {wall:7.1f} {wall / plain[0]:8.2f}x {first_step:14.1f} {first_step / plain[1]:8.2f}x "
+              f"{first_step / one[1]:12.2f}x {trace:8.1f} {trace / one[3]:12.2f}x  {change_text}")
 
 
 if __name__ == "__main__":

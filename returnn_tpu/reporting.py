@@ -224,7 +224,9 @@ class EpochReport:
         train_prefix = ("pre" if epoch_name.startswith("pretrain") else "") + f"train epoch {epoch}"
         print(f"{train_prefix}, finished after {stats.steps} steps, {hms(stats.seconds)} elapsed "
               f"({100 * stats.computing_time_share:.1f}% computing time)", file=self.log.v3)  # RETURNN's line
-        if stats.data_wait_seconds > 0.05 * stats.seconds and stats.data_making_seconds > stats.step_seconds:
+        # Not in the process's first epoch (startup_seconds set): nothing could be made ahead of it.
+        made_ahead = stats.startup_seconds is None
+        if made_ahead and stats.data_wait_seconds > 0.05 * stats.seconds and stats.data_making_seconds > stats.step_seconds:
             print(f"{train_prefix}: {stats.data_wait_seconds:.1f} s waiting for data; making its batch lists took "
                   f"{stats.data_making_seconds:.1f} s, its steps {stats.step_seconds:.1f} s: the dataset is slower "
                   "than the training", file=self.log.v3)

@@ -125,16 +125,19 @@ class ReplicaSteps:
         return placed
 
     def create_variables(self, first_step: List):
-        """Creates the parameters (by tracing the forward/backward pass), the optimizer state, and
+        """Creates the parameters (by building the forward pass once), the optimizer state, and
         traces the train step, on one batch per local replica."""
         self.optimizer.create_step(self.strategy)
         # The variables come from one build of the network, as the first replica, in a graph never
-        # run: one build, not one per replica. They are made in cross-replica context all the
+        # run: one build, not one per replica, and of the forward pass only (the gradients, about
+        # half of a build's time, are the train step's). They are made in cross-replica context all the
         # same (FACTS.md, "Variables in a trace"). A plain FuncGraph, not a tf.function, which
         # traces twice when its first trace creates variables.
         def first_replica_build(batch):
             with tf.distribute.ReplicaContext(self.strategy, replica_id_in_sync_group=self.first_replica):
-                return self._forward_backward(batch, 0)
+                net, params = self.builder.build(batch, train=True, replica_id=0, global_step=self.optimizer.step)
+                self.trainable_names = [name for name, _ in params]
+                return net.get_objective()
 
         with self.strategy.scope():
             func_graph.func_graph_from_py_func("returnn_tpu_variables", first_replica_build, None, None,
