@@ -179,3 +179,40 @@ def test_refused_option_at_its_default_passes(values):
     from returnn_tpu.startup import check_supported
 
     check_supported(Config(values))
+
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+README = os.path.join(os.path.dirname(DOCS), "README.md")
+
+
+def _first_column_names(path: str, after: str):
+    """The backquoted names in the first column of the first table after the line ``after``."""
+    text = open(path).read()
+    lines = text[text.index(after):].split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:  # past the header and its rule
+        if not line.startswith("|"):
+            break
+        rows.append(line.split("|")[1].strip().split("`")[1].strip('"'))
+    return rows
+
+
+def test_the_options_table_in_the_docs_is_the_options_class():
+    """docs/config.md's `distribute_options` table has a row for each field of DistributeOptions
+    (``strategy`` is the other config key)."""
+    import dataclasses
+
+    from returnn_tpu.options import DistributeOptions
+
+    documented = _first_column_names(os.path.join(DOCS, "config.md"), "`distribute_options` (unknown keys")
+    fields = [field.name for field in dataclasses.fields(DistributeOptions) if field.name != "strategy"]
+    assert sorted(documented) == sorted(fields)
+
+
+def test_the_strategies_table_in_the_readme_is_the_strategy_list():
+    from returnn_tpu.options import DEFAULT_STRATEGY, STRATEGY_NAMES
+
+    names = _first_column_names(README, "## Strategies")
+    assert sorted(names) == sorted(STRATEGY_NAMES)
+    assert f'`"{DEFAULT_STRATEGY}"` (default)' in open(README).read()

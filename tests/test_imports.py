@@ -1,0 +1,65 @@
+"""The import rules of docs/architecture.md, read from the package's source (every import
+statement, also those inside functions)."""
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "returnn_tpu")
+
+# Outside strategies/, the modules that still use TensorFlow's private API (tensorflow.python);
+# each use is cited in docs/FACTS.md. The list may only shrink.
+PRIVATE_TENSORFLOW_OUTSIDE_STRATEGIES = {"returnn_bridge.py", "steps.py", os.path.join("sync", "averaging.py")}
+
+
+def imported_modules(path: str):
+    """Every module that ``path`` imports, as its dotted name (relative imports resolved)."""
+    package = os.path.relpath(os.path.dirname(path), os.path.dirname(PACKAGE)).replace(os.sep, ".")
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            yield module
+            yield from (f"{module}.{alias.name}" for alias in node.names)
+
+
+def sources(folder: str = ""):
+    """The package's source files under ``folder``, relative to the package."""
+    for root, _, files in os.walk(os.path.join(PACKAGE, folder)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(root, name), PACKAGE)
+
+
+def imports_of(relative: str):
+    return set(imported_modules(os.path.join(PACKAGE, relative)))
+
+
+def test_the_source_tree_is_where_the_rules_look():
+    found = set(sources())
+    assert {"trainer.py", "data.py", "producer.py", os.path.join("strategies", "__init__.py"),
+            os.path.join("sync", "schedule.py"), os.path.join("cluster", "mpi.py")} <= found
+
+
+@pytest.mark.parametrize("folder", ["strategies", "sync", "cluster"])
+def test_strategies_sync_and_cluster_never_import_returnn(folder):
+    offending = {relative: sorted(m for m in imports_of(relative) if m == "returnn" or m.startswith("returnn."))
+                 for relative in sources(folder)}
+    assert {k: v for k, v in offending.items() if v} == {}
+
+
+@pytest.mark.parametrize("relative", ["data.py", "producer.py"])
+def test_the_producer_side_never_imports_tensorflow(relative):
+    """The producer process runs without TensorFlow (its memory; docs/data.md)."""
+    assert sorted(m for m in imports_of(relative) if m.split(".")[0] == "tensorflow") == []
+
+
+def test_private_tensorflow_only_in_strategies_and_the_listed_modules():
+    users = {relative for relative in sources()
+             if any(m.startswith("tensorflow.python") for m in imports_of(relative))}
+    outside = {relative for relative in users if not relative.startswith("strategies" + os.sep)}
+    assert outside <= PRIVATE_TENSORFLOW_OUTSIDE_STRATEGIES, sorted(outside - PRIVATE_TENSORFLOW_OUTSIDE_STRATEGIES)
+    assert any(relative.startswith("strategies" + os.sep) for relative in users)  # the rule still sees them
