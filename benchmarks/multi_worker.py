@@ -15,7 +15,7 @@ tensor of the same number of bytes, inside the ``param_sync_step = 100`` run.
 
     python benchmarks/multi_worker.py [--steps 200] [--hidden 2048]
 
-Prints samples/s (sequences of 25 frames) per setting and the ratios the README quotes.
+Prints samples/s (sequences of 25 frames) per setting and the ratios docs/measured.md quotes.
 """
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ def worker_main(args):
     ]
     for i in range(5):  # warm-up: traces, first collectives
         trainer.train_step([batches[i % 8]], 0.01)
-    trainer.all_workers(0)  # barrier
+    trainer.workers.all_workers(0)  # barrier
     start = time.perf_counter()
     for i in range(args.steps):
         trainer.train_step([batches[i % 8]], 0.01)
-    trainer.all_workers(0)
+    trainer.workers.all_workers(0)
     seconds = time.perf_counter() - start
     result = {
         "samples_per_second": trainer.steps.num_replicas * BATCH * args.steps / seconds,
@@ -106,7 +106,7 @@ def worker_main(args):
 def measure_sync(trainer, tf):
     """Median seconds of one bucketed parameter sync and of one raw all-reduce of as many bytes."""
     strategy = trainer.strategy
-    variables = trainer.steps.trainable_variables()
+    variables = list(trainer.steps.trainable().values())
     num_floats = sum(int(v.shape.num_elements()) for v in variables)
     with strategy.scope():
         flat = tf.Variable(tf.zeros([num_floats]))
@@ -119,11 +119,11 @@ def measure_sync(trainer, tf):
 
     sync_times, raw_times = [], []
     for _ in range(12):
-        trainer.all_workers(0)
+        trainer.workers.all_workers(0)
         start = time.perf_counter()
         trainer.sync()
         sync_times.append(time.perf_counter() - start)
-        trainer.all_workers(0)
+        trainer.workers.all_workers(0)
         start = time.perf_counter()
         strategy.experimental_local_results(raw_all_reduce())[0].numpy()
         raw_times.append(time.perf_counter() - start)

@@ -218,3 +218,127 @@ def cleanup_old_models(config, learning_rate_control):
             self.learning_rate_control = learning_rate_control
 
     _Checkpoints().cleanup_old_models()
+
+
+class RunCheckpoints:
+    """The checkpoints of one training run: what each holds, its name, where the run resumes, when
+    one is written and removed. The trainer asks; this decides.
+
+    ``networks`` (:class:`returnn_tpu.networks.EpochNetworks`) names an epoch's file (pretrain
+    epochs have their own names); ``builder`` holds the current network's variables, ``optimizer``
+    its state, ``averaging`` (local SGD; None otherwise) the anchors and outer momenta. Only the
+    chief (worker 0) writes.
+    """
+
+    def __init__(self, config, networks, builder, optimizer, averaging, *, num_epochs: int, chief: bool, log):
+        self.config = config
+        self.networks = networks
+        self.builder = builder
+        self.optimizer = optimizer
+        self.averaging = averaging
+        self.chief = chief
+        self.log = log
+        self.model_filename = config.value("model", None)
+        if not self.model_filename:
+            raise ConfigError("config option 'model' (where checkpoints go) is missing")
+        self.num_epochs = num_epochs  # the last epoch is always saved
+        self.save_interval = config.int("save_interval", 1)
+
+    # ---- names and the resume point -------------------------------------------------------------
+
+    def epoch_filename(self, epoch: int) -> str:
+        """The checkpoint prefix of ``epoch`` (0: the initial model)."""
+        return self.networks.model_filename(self.model_filename, epoch)
+
+    def start_epoch(self) -> int:
+        """The epoch after the newest checkpoint at ``model`` (1 if there is none), as RETURNN does."""
+        from returnn.engine.base import EngineBase
+
+        return EngineBase.get_train_start_epoch(self.config)
+
+    def newest(self) -> Optional[str]:
+        """The newest epoch's checkpoint, or None."""
+        epoch = self.start_epoch() - 1
+        return self.epoch_filename(epoch) if epoch >= 1 else None
+
+    def tidy(self):
+        """Chief, before training: removes what crashed saves left behind and sets aside a newest
+        checkpoint that does not load (resume then uses the one before it)."""
+        if self.chief:
+            remove_stale_temporaries(self.model_filename, log_file=self.log.v2)
+            set_aside_unreadable(self.newest, log_file=self.log.v1)
+
+    def interrupted(self, start_epoch: int) -> Optional[Interrupted]:
+        """The interrupted epoch to continue (at or after ``start_epoch``), or None."""
+        return interrupted(self.model_filename, start_epoch)
+
+    # ---- contents -----------------------------------------------------------------------------
+
+    def state(self) -> Dict[str, tf.Variable]:
+        """Everything a checkpoint holds: the current network's variables (RETURNN names), the
+        optimizer state and the local-SGD state (anchors, outer momenta)."""
+        state = self.builder.variables.network_variables()
+        state.update(self.optimizer.variables())
+        state.update(self.sync_state())
+        return state
+
+    def sync_state(self) -> Dict[str, tf.Variable]:
+        """The local-SGD state a checkpoint holds (none for plain averaging)."""
+        return self.averaging.state_variables() if self.averaging else {}
+
+    def restore(self, prefix: str):
+        """Loads ``prefix`` into the network, the optimizer and the local-SGD state. A network that
+        changes per epoch may differ from the checkpoint's; a checkpoint of a run without an outer
+        optimizer has no outer state (it starts at 0)."""
+        print(f"load model {prefix}", file=self.log.v2)
+        partial = self.networks.changes_per_epoch
+        restore(prefix, self.builder.variables.network_variables(), partial=partial, log_file=self.log.v3)
+        self._restore_optimizer(prefix)
+        restore(prefix, self.sync_state(), partial=True, log_file=self.log.v3)
+
+    def _restore_optimizer(self, prefix: str):
+        """The optimizer's state from the checkpoint. One without the slots (plain RETURNN on TF 2
+        saves none of its Keras optimizer's state) starts them fresh, with a warning: the step
+        count comes from its ``global_step``, Adam's moments and bias correction restart (FACTS.md,
+        "Plain RETURNN on TF 2.21")."""
+        state = self.optimizer.variables()
+        saved = variable_names(prefix)
+        slots = [name for name in state if name not in ("global_step", "optimize/slot_step")]
+        if not slots or any(name in saved for name in slots):  # ours (of this network, or of another epoch's)
+            restore(prefix, state, partial=self.networks.changes_per_epoch, log_file=self.log.v3,
+                    fallbacks=self.optimizer.FALLBACKS)
+            return
+        print(f"returnn-tpu: warning: checkpoint {prefix} has no optimizer state (e.g. no {slots[0]!r}; plain "
+              f"RETURNN saves none): the optimizer's {len(slots)} slots start fresh, at its global_step",
+              file=self.log.v1)
+        restore(prefix, {"global_step": self.optimizer.step}, log_file=self.log.v3)
+
+    # ---- writing ------------------------------------------------------------------------------
+
+    def save_initial(self):
+        """RETURNN's ``save_epoch1_initial_model``: the parameters before the first update, as epoch 0."""
+        if self.chief and self.config.bool("save_epoch1_initial_model", False):
+            save(self.epoch_filename(0), self.state())
+
+    def save_model(self):
+        """RETURNN's ``task = "initialize_model"``: the model at ``model`` itself, without an epoch suffix."""
+        if self.chief:
+            save(self.model_filename, self.state())
+
+    def save_epoch(self, epoch: int, learning_rate_control):
+        """After ``epoch``'s record: its checkpoint (every ``save_interval`` epochs, and the last),
+        which replaces an interrupted one; then RETURNN's ``cleanup_old_models``."""
+        if not self.chief:
+            return
+        if epoch % self.save_interval == 0 or epoch == self.num_epochs:
+            save(self.epoch_filename(epoch), self.state())
+            remove_interrupted(self.model_filename)
+        if self.config.bool_or_other("cleanup_old_models", None):
+            cleanup_old_models(self.config, learning_rate_control)
+
+    def save_interrupted(self, epoch: int, steps_done: int) -> str:
+        """The combined model of ``epoch`` stopped after ``steps_done`` steps (chief writes); its prefix."""
+        prefix = self.epoch_filename(epoch) + INTERRUPTED_MARK
+        if self.chief:
+            save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done)
+        return prefix

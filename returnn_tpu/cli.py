@@ -120,9 +120,9 @@ def run_plain_returnn(config, filename: str, overrides: List[str]):
 
 def distribute_options_from_config(config):
     """The validated ``distribute_strategy`` and ``distribute_options`` of a RETURNN config."""
-    from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.options import DEFAULT_STRATEGY, DistributeOptions
 
-    strategy = config.typed_value("distribute_strategy", None) or config.value("distribute_strategy", "local_sgd")
+    strategy = config.typed_value("distribute_strategy", None) or config.value("distribute_strategy", DEFAULT_STRATEGY)
     options = config.typed_value("distribute_options", None)
     if options is None and config.has("distribute_options"):
         # ``++distribute_options "{...}"`` for a config that does not set it: RETURNN keeps the text
@@ -180,12 +180,13 @@ def train(filename: str, overrides: List[str]) -> int:
         options = distribute_options_from_config(config)
         check_config(config)
         from returnn_tpu.cluster import resolve_cluster
+        from returnn_tpu.faults import Stopped
         from returnn_tpu.launcher import STOP_SIGNALS
         from returnn_tpu.optimizers import optimizer_from_config
         from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
         from returnn_tpu.session_options import apply_session_options
         from returnn_tpu.startup import check_classes, select_backend, use_persistent_xla_cache
-        from returnn_tpu.trainer import Stopped, Trainer
+        from returnn_tpu.trainer import Trainer
 
         if options.jit_compile:
             use_persistent_xla_cache(config)
@@ -218,7 +219,7 @@ def train(filename: str, overrides: List[str]) -> int:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
         trainer = Trainer(config, options, cluster, config_source=(filename, overrides))
         for signum in STOP_SIGNALS:  # replaces TensorFlow's multi-worker handler
-            signal.signal(signum, trainer.request_stop)
+            signal.signal(signum, trainer.stop_request.handle)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
         if lock:
@@ -288,7 +289,7 @@ def _training_failure(exc: Exception, cluster) -> int:
     from returnn_tpu import checkpoints
     from returnn_tpu.producer import ProducerError
     from returnn_tpu.reporting import RecordWriteError
-    from returnn_tpu.trainer import NonFiniteScore, Stopped
+    from returnn_tpu.faults import NonFiniteScore, Stopped
 
     if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)

@@ -13,9 +13,10 @@ from typing import Any, Mapping, Optional, Tuple
 
 from returnn_tpu.errors import ConfigError
 
+DEFAULT_STRATEGY = "local_sgd"  # what a config without distribute_strategy trains with
 STRATEGY_NAMES = ("single", "mirrored", "local_sgd", "multi_worker_mirrored", "tpu", "local_sgd_tpu")
 TPU_STRATEGY_NAMES = ("tpu", "local_sgd_tpu")
-CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "tpu", "local")
+CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "local")  # TPUs are found by the TPU strategies
 DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")
 DATA_PRODUCERS = ("process", "chief", "thread")
 DEFAULT_PARAM_SYNC_STEP = 100
@@ -57,7 +58,7 @@ class DistributeOptions:
     :ivar param_sync_time_diff: alternative to ``param_sync_step``: average when this many seconds
         have passed since the last average.
     :ivar cluster_resolver: how the workers of a multi-machine run find each other.
-    :ivar dataset_distribution: how the replicas split the data (see README, "What an epoch is").
+    :ivar dataset_distribution: how the replicas split the data (docs/data.md).
     :ivar jit_compile: compile the per-replica forward and backward pass with XLA (default: on
         for TPU strategies, off elsewhere); sequences are then bucketed to static shapes.
     :ivar bucket_boundaries: with ``jit_compile``, the bucket lengths (frames of the default
@@ -85,7 +86,7 @@ class DistributeOptions:
     :ivar data_prefetch: how many steps' batches are read ahead of training.
     """
 
-    strategy: str = "single"
+    strategy: str = DEFAULT_STRATEGY
     num_replicas: Optional[int] = None
     param_sync_step: int = DEFAULT_PARAM_SYNC_STEP
     param_sync_time_diff: Optional[float] = None

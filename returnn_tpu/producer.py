@@ -524,9 +524,7 @@ def _serve(setup: dict, commands, results):
         if serve:
             workers = _Workers(listener, serve)
         while True:
-            kind, payload = commands.recv()
-            if kind == "exit":
-                return
+            kind, payload = commands.recv()  # closed by the trainer: EOFError
             if kind == "epoch":
                 _produce_epoch(epochs, payload, commands, results, workers)
     except (EOFError, KeyboardInterrupt):

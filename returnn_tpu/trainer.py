@@ -10,7 +10,6 @@ combined model. With several workers, worker 0 (the chief) alone writes files.
 from __future__ import annotations
 
 import os
-import signal
 import time
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -24,6 +23,7 @@ from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
 from returnn_tpu.data import init_eval_datasets, init_seq_order, read_ahead, template_shapes
 from returnn_tpu.errors import ConfigError
+from returnn_tpu.faults import NONFINITE_CHECK_STEPS, NonFiniteMonitor, NonFiniteScore, StopRequest, Stopped
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, StepLearningRate, optimizer_from_config
 from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
@@ -37,26 +37,6 @@ from returnn_tpu.sync import SyncDue, SyncSchedule, make_averaging
 from returnn_tpu.workers import WorkerCollectives
 
 FINITE_INF_VALUE = 1e30  # RETURNN's ``inf_value`` with XLA buckets: in float32 and bfloat16 range
-
-
-class NonFiniteScore(RuntimeError):
-    """The epoch's train score is NaN or Inf (RETURNN stops then, unless stop_on_nonfinite_train_score is off)."""
-
-
-class NonFiniteUpdate(NonFiniteScore):
-    """An update's loss or gradient was NaN or Inf (the update was not applied)."""
-
-
-NONFINITE_CHECK_STEPS = 50  # how often the device's non-finite counts are read (and, multi-worker, shared)
-STOP_CHECK_STEPS = 10  # with several workers, how often they agree whether one was asked to stop
-
-
-class Stopped(RuntimeError):
-    """Training stopped at a step boundary because the process got a signal (SIGTERM, SIGINT, SIGHUP)."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
 
 
 class Trainer:
@@ -120,14 +100,13 @@ class Trainer:
         for dataset in self.dev_datasets:  # what RETURNN's dataset refuses is found now, not after epoch 1
             init_seq_order(dataset, 1)
             dataset.finish_epoch()  # a MetaDataset fails a second init of one epoch (FACTS.md, "MetaDataset epochs")
-        self.model_filename = config.value("model", None)
-        if not self.model_filename:
-            raise ConfigError("config option 'model' (where checkpoints go) is missing")
         self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
-        self.save_interval = config.int("save_interval", 1)
+        self.checkpoints = checkpoints.RunCheckpoints(config, self.networks, self.builder, self.optimizer, self.averaging,
+                                                      num_epochs=self.num_epochs, chief=self.cluster.is_chief, log=log)
         self.report = EpochReport(
-            config, log, self.learning_rate_control, model_filename=self.model_filename, chief=self.cluster.is_chief,
+            config, log, self.learning_rate_control, model_filename=self.checkpoints.model_filename,
+            chief=self.cluster.is_chief,
             static_fields={"strategy": options.strategy, "num_workers": self.cluster.num_workers,
                            "num_replicas": self.steps.num_replicas, "distribute_options": options.in_force()},
         )
@@ -145,7 +124,9 @@ class Trainer:
             time_check_steps=1 if self.cluster.num_workers == 1 else 10,
         )
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
-        self.stop_signal: Optional[int] = None  # set by request_stop
+        self.stop_request = StopRequest(self.workers, self.cluster.num_workers, log)  # cli.py installs its handler
+        self.nonfinite = NonFiniteMonitor(self.workers, skip=options.skip_nonfinite_steps,
+                                          num_workers=self.cluster.num_workers, log=log)
         self._stepped = False  # whether this process has made a train step
         self._built = False
         self._resume_epoch = 0  # the epoch of the checkpoint to restore when the variables are created
@@ -280,25 +261,7 @@ class Trainer:
             raise ConfigError(f"learning_rate_file {self.config.value('learning_rate_file', '')!r} is not a RETURNN "
                               f"learning-rate file ({type(exc).__name__}: {exc}); fix or remove it") from None
 
-    def start_epoch(self) -> int:
-        """The epoch after the newest checkpoint at ``model`` (1 if there is none), as RETURNN does."""
-        from returnn.engine.base import EngineBase
-
-        return EngineBase.get_train_start_epoch(self.config)
-
-    # ---- model state --------------------------------------------------------------------------
-
-    def model_state(self) -> Dict[str, tf.Variable]:
-        """Everything a checkpoint holds: the current network's variables (RETURNN names), the
-        optimizer state and the local-SGD state (anchors, outer momenta)."""
-        state = self.builder.variables.network_variables()
-        state.update(self.optimizer.variables())
-        state.update(self.sync_state())
-        return state
-
-    def sync_state(self) -> Dict[str, tf.Variable]:
-        """The local-SGD state a checkpoint holds (none for plain averaging)."""
-        return self.averaging.state_variables() if self.averaging else {}
+    # ---- building and resuming ---------------------------------------------------------------
 
     def _build(self, step_batches: List):
         """Creates all variables and traces the train step; restores the checkpoint when resuming."""
@@ -312,14 +275,8 @@ class Trainer:
         copy_mode = self.networks.copy_param_mode(self.builder.net_dict, self._network_epoch)
         carry_over(self.builder.variables, copy_mode, self.first_copy, log_file=self.log.v3)
         if self._resume_prefix:
-            filename, self._resume_prefix = self._resume_prefix, None
-            print(f"load model {filename}", file=self.log.v2)
-            # A network that changes per epoch may differ from the checkpoint's network.
-            network = self.builder.variables.network_variables()
-            checkpoints.restore(filename, network, partial=self.networks.changes_per_epoch, log_file=self.log.v3)
-            self._restore_optimizer(filename)
-            # A checkpoint of a run without the outer optimizer has no outer state: it starts at 0.
-            checkpoints.restore(filename, self.sync_state(), partial=True, log_file=self.log.v3)
+            self.checkpoints.restore(self._resume_prefix)
+            self._resume_prefix = None
             self.micro_steps = int(self.optimizer.step.numpy()) * self.accum_grad_steps
             self._resume_epoch = 0
         if self.averaging:
@@ -341,30 +298,6 @@ class Trainer:
                 f"worker 0 (parameter names and shapes differ; this worker has {len(self.info.param_shapes)} parameters): "
                 "every worker must run the same config"
             )
-
-    def _restore_optimizer(self, filename: str):
-        """The optimizer's state from the checkpoint. One without the slots (plain RETURNN on TF 2
-        saves none of its Keras optimizer's state) starts them fresh, with a warning: the step
-        count comes from its ``global_step``, Adam's moments and bias correction restart (FACTS.md,
-        "Plain RETURNN on TF 2.21")."""
-        state = self.optimizer.variables()
-        saved = checkpoints.variable_names(filename)
-        slots = [name for name in state if name not in ("global_step", "optimize/slot_step")]
-        if not slots or any(name in saved for name in slots):  # ours (of this network, or of another epoch's)
-            checkpoints.restore(filename, state, partial=self.networks.changes_per_epoch, log_file=self.log.v3,
-                                fallbacks=self.optimizer.FALLBACKS)
-            return
-        print(f"returnn-tpu: warning: checkpoint {filename} has no optimizer state (e.g. no {slots[0]!r}; plain "
-              f"RETURNN saves none): the optimizer's {len(slots)} slots start fresh, at its global_step",
-              file=self.log.v1)
-        checkpoints.restore(filename, {"global_step": self.optimizer.step}, log_file=self.log.v3)
-
-    def _newest_checkpoint(self) -> Optional[str]:
-        epoch = self.start_epoch() - 1
-        return self.epoch_filename(epoch) if epoch >= 1 else None
-
-    def epoch_filename(self, epoch: int) -> str:
-        return self.networks.model_filename(self.model_filename, epoch)
 
     def first_copy(self, var: tf.Variable) -> numpy.ndarray:
         """The value of this worker's first replica's copy of ``var``."""
@@ -422,11 +355,9 @@ class Trainer:
         The chief first removes what crashed saves left behind and sets aside a newest checkpoint
         that does not load (resume then uses the one before it); the other workers wait for it.
         """
-        if self.cluster.is_chief:
-            checkpoints.remove_stale_temporaries(self.model_filename, log_file=self.log.v2)
-            checkpoints.set_aside_unreadable(self._newest_checkpoint, log_file=self.log.v1)
+        self.checkpoints.tidy()
         self.workers.all_workers(0)  # the chief is done with the files
-        start_epoch = self.start_epoch()
+        start_epoch = self.checkpoints.start_epoch()
         start_epochs = self.workers.all_workers(start_epoch)
         if len(set(start_epochs)) > 1:
             raise RuntimeError(
@@ -435,8 +366,8 @@ class Trainer:
             )
         print(f"returnn-tpu: cluster: {self.cluster.description}", file=self.log.v2)
         if self.cluster.is_chief:
-            os.makedirs(os.path.dirname(os.path.abspath(self.model_filename)), exist_ok=True)
-        interrupted = checkpoints.interrupted(self.model_filename, start_epoch)
+            os.makedirs(os.path.dirname(os.path.abspath(self.checkpoints.model_filename)), exist_ok=True)
+        interrupted = self.checkpoints.interrupted(start_epoch)
         first_step = 0
         if interrupted:
             start_epoch, first_step = interrupted.epoch, interrupted.steps_done
@@ -453,7 +384,7 @@ class Trainer:
         for line in self.start_notes():
             print(f"returnn-tpu: {line}", file=self.log.v2)
         self._resume_epoch = start_epoch - 1
-        self._resume_prefix = interrupted.prefix if interrupted else self._newest_checkpoint()
+        self._resume_prefix = interrupted.prefix if interrupted else self.checkpoints.newest()
         try:
             for epoch in range(start_epoch, self.num_epochs + 1):
                 self.train_epoch(epoch, first_step)
@@ -461,7 +392,7 @@ class Trainer:
         finally:
             self.close()
         if self.cluster.is_chief:
-            print(f"returnn-tpu: finished training at epoch {self.num_epochs}: model {self.epoch_filename(self.num_epochs)}"
+            print(f"returnn-tpu: finished training at epoch {self.num_epochs}: model {self.checkpoints.epoch_filename(self.num_epochs)}"
                   f", log {', '.join(self.config.list('log', [])) or 'stdout only'}, metrics {self.report.metrics_path}",
                   file=self.log.v1)
 
@@ -495,8 +426,7 @@ class Trainer:
             self.use_network_of_epoch(1)
             step_batches, _ = next(iter(self.epoch_batches(self.train_datasets, 1, train=True)))
             self._build(step_batches)
-            if self.cluster.is_chief:
-                checkpoints.save(self.model_filename, self.model_state())
+            self.checkpoints.save_model()
         finally:
             self.close()
 
@@ -516,9 +446,8 @@ class Trainer:
             build_start = time.perf_counter()
             self._build(step_batches)
             stats.trace_seconds += time.perf_counter() - build_start
-            if self.micro_steps == 0 and self.config.bool("save_epoch1_initial_model", False) and self.cluster.is_chief:
-                # RETURNN's option: the parameters before epoch 1's first update, as model.000
-                checkpoints.save(self.networks.model_filename(self.model_filename, 0), self.model_state())
+            if self.micro_steps == 0:
+                self.checkpoints.save_initial()
         stats.steps += 1
         self.micro_steps += 1
         if self.micro_steps % self.accum_grad_steps:  # RETURNN applies on every N-th global step
@@ -590,42 +519,24 @@ class Trainer:
         # The checkpoint last: a run resumes after the newest checkpoint, so an epoch whose dev
         # evaluation or record failed (a dataset that raises, a full disk) is trained again, and
         # learning_rate_file and metrics.jsonl never miss an epoch that has a checkpoint.
-        if self.cluster.is_chief and (epoch % self.save_interval == 0 or epoch == self.num_epochs):
-            checkpoints.save(self.epoch_filename(epoch), self.model_state())
-            checkpoints.remove_interrupted(self.model_filename)
-        if self.cluster.is_chief and self.config.bool_or_other("cleanup_old_models", None):
-            checkpoints.cleanup_old_models(self.config, self.learning_rate_control)
-
-    def request_stop(self, signum: int, _frame=None):
-        """Signal handler: stop at the next step boundary (all workers agree on which). A second
-        signal ends the process at once, as without this handler."""
-        if self.stop_signal is not None:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.stop_signal = signum
-        print(f"returnn-tpu: got signal {signum}; stopping at the next step boundary", file=self.log.v1)
+        self.checkpoints.save_epoch(epoch, self.learning_rate_control)
 
     def _stop_if_requested(self, epoch: int, step: int, stats: EpochStats):
-        """Before step ``step``: if this or (checked every STOP_CHECK_STEPS steps) any worker got a
-        stop signal, combines the copies, has the chief write the interrupted epoch's checkpoint
+        """Before step ``step``: if a stop signal is due on any worker
+        (:class:`returnn_tpu.faults.StopRequest`), combines the copies, has the chief write the interrupted epoch's checkpoint
         and raises :class:`Stopped`. Resume continues the epoch at this step."""
-        if self.cluster.num_workers > 1:
-            if step % STOP_CHECK_STEPS or not self.workers.any(self.stop_signal is not None):
-                return
-        elif self.stop_signal is None:
+        signum = self.stop_request.due(step)
+        if signum is None:
             return
-        signum = self.stop_signal or signal.SIGTERM  # a peer's signal
         where = f"stopped by signal {signum} in {self.epoch_name(epoch)} before step {step + 1}"
-        previous = self.epoch_filename(epoch - 1) if epoch > 1 else None
+        previous = self.checkpoints.epoch_filename(epoch - 1) if epoch > 1 else None
         if not self._built or (step == 0 and previous and os.path.exists(previous + ".index")):
             raise Stopped(f"{where}; nothing was trained since the newest checkpoint: run the same command to "
                           "resume", signum)
         self.check_nonfinite(epoch, stats)  # no replica's copy is non-finite
         if self.averaging:
             self.sync(stats=stats)
-        prefix = self.epoch_filename(epoch) + checkpoints.INTERRUPTED_MARK
-        if self.cluster.is_chief:
-            checkpoints.save_interrupted(self.model_filename, prefix, self.model_state(), epoch=epoch, steps_done=step)
+        prefix = self.checkpoints.save_interrupted(epoch, step)
         self.workers.all_workers(0)  # the chief has written it
         raise Stopped(f"{where}; the combined model is in {prefix}: run the same command to continue "
                       f"{self.epoch_name(epoch)} at step {step + 1}", signum)
@@ -634,38 +545,16 @@ class Trainer:
         """While the producer makes an epoch's batch lists (minutes, for some datasets): a stop
         signal ends the run there; nothing of the epoch was trained, so the newest checkpoint is
         where the same command resumes."""
-        if self.stop_signal is not None:
-            raise Stopped(f"stopped by signal {self.stop_signal} while the data producer made {self.epoch_name(epoch)}'s "
-                          "batch lists; nothing of it was trained: run the same command to resume", self.stop_signal)
+        signum = self.stop_request.signum
+        if signum is not None:
+            raise Stopped(f"stopped by signal {signum} while the data producer made {self.epoch_name(epoch)}'s "
+                          "batch lists; nothing of it was trained: run the same command to resume", signum)
 
     def check_nonfinite(self, epoch: int, stats: EpochStats):
         """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN
-        or Inf in any replica. Such updates were not applied, so no copy, average or checkpoint
-        is ever non-finite. All workers see the same counts (one small collective)."""
-        if not self._built:
-            return
-        local = self.steps.take_nonfinite()
-        rows = self.workers.rows([value for replica in local for value in replica])
-        found = []  # (step, replica, loss, count)
-        for worker, row in enumerate(rows):
-            for i in range(len(local)):
-                count, step, loss = row[3 * i : 3 * i + 3]
-                if count:
-                    found.append((int(step), worker * len(local) + i, float(loss), int(count)))
-        if not found:
-            return
-        total = sum(count for *_, count in found)
-        step, replica, loss, _ = min(found)
-        where = f"replica {replica}" + (f" (worker {replica // len(local)})" if self.cluster.num_workers > 1 else "")
-        if not self.options.skip_nonfinite_steps:
-            raise NonFiniteUpdate(
-                f"{self.epoch_name(epoch)}: {where}, step {step}: non-finite loss {loss} or gradient; the update "
-                f"was not applied and nothing of this epoch is saved ({total} such updates in all replicas); set "
-                "distribute_options['skip_nonfinite_steps'] = True to skip such updates and go on"
-            )
-        stats.skipped_nonfinite += total
-        print(f"{self.epoch_name(epoch)}: skipped {total} non-finite updates (first: {where}, step {step}, "
-              f"loss {loss})", file=self.log.v2)
+        or Inf in any replica (:class:`returnn_tpu.faults.NonFiniteMonitor`)."""
+        if self._built:
+            stats.skipped_nonfinite += self.nonfinite.check(self.steps, self.epoch_name(epoch))
 
     def epoch_name(self, epoch: int) -> str:
         """``"epoch 3"``, or ``"pretrain epoch 1"``, as RETURNN names epochs in its log."""

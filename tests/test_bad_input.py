@@ -27,6 +27,7 @@ ROWS = [
     ('distribute_options = {"param_sync_time_diff": -2}', [], {}, "param_sync_time_diff'] must be a number"),
     ('distribute_options = {"startup_timeout": 0}', [], {}, "startup_timeout'] must be a number"),
     ('distribute_options = {"cluster_resolver": "slurm"}', [], {}, "cluster_resolver'] must be one of"),
+    ('distribute_options = {"cluster_resolver": "tpu"}', [], {}, "cluster_resolver'] must be one of"),
     ('distribute_options = {"dataset_distribution": "split"}', [], {}, "dataset_distribution'] must be one of"),
     ('distribute_options = {"jit_compile": "yes"}', [], {}, "jit_compile'] must be True or False"),
     ('distribute_options = {"bucket_boundaries": [0, 10]}', [], {}, "bucket_boundaries'] must be a list"),

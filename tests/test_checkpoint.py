@@ -28,10 +28,10 @@ def test_checkpoint_loads_in_plain_returnn(tmp_path, rng, kind):
     trainer.sync()
     if kind == "epoch":
         prefix = str(tmp_path / "model.001")
-        checkpoints.save(prefix, trainer.model_state())
+        checkpoints.save(prefix, trainer.checkpoints.state())
     else:
         prefix = str(tmp_path / "model.001.interrupted")
-        checkpoints.save_interrupted(str(tmp_path / "model"), prefix, trainer.model_state(), epoch=1, steps_done=3)
+        checkpoints.save_interrupted(str(tmp_path / "model"), prefix, trainer.checkpoints.state(), epoch=1, steps_done=3)
         assert checkpoints.interrupted(str(tmp_path / "model"), 1) == (prefix, 1, 3)
     assert sorted(os.listdir(tmp_path)) == [f"{os.path.basename(prefix)}.data-00000-of-00001",
                                             f"{os.path.basename(prefix)}.index", f"{os.path.basename(prefix)}.meta"]
@@ -74,7 +74,7 @@ def test_checkpoint_holds_optimizer_state_and_restores(tmp_path, rng):
     trainer = make_trainer(tmp_path, NETWORK, optimizer={"class": "adam"})
     trainer.train_step(random_step_batches(rng, 2), 0.05)
     trainer.sync()
-    state = trainer.model_state()
+    state = trainer.checkpoints.state()
     assert "lstm/rec/W/Adam" in state and "lstm/rec/W/Adam_1" in state and "global_step" in state
     checkpoints.save(str(tmp_path / "ckpt"), state)
     saved = {name: var.numpy() for name, var in state.items()}
@@ -91,7 +91,7 @@ def test_checkpoint_without_slot_step_restores_it_from_the_global_step(tmp_path,
     trainer = make_trainer(tmp_path, network, strategy="single", num_replicas=1, optimizer={"class": "adam"})
     for _ in range(3):
         trainer.train_step(random_step_batches(rng, 1), 0.01)
-    state = trainer.model_state()
+    state = trainer.checkpoints.state()
     old_style = {name: var for name, var in state.items() if name != "optimize/slot_step"}
     checkpoints.save(str(tmp_path / "old"), old_style)
     state["optimize/slot_step"].assign(0)
@@ -115,7 +115,7 @@ def test_resume_skips_stale_temporaries_and_an_unreadable_newest_checkpoint(tmp_
     assert not stale.exists()
     assert (tmp_path / "model.002.index.unreadable").exists()
     for epoch in (2, 3):  # epoch 2 trained again, from model.001
-        assert sorted(checkpoints.load(str(tmp_path / f"model.00{epoch}"))) == sorted(trainer.model_state())
+        assert sorted(checkpoints.load(str(tmp_path / f"model.00{epoch}"))) == sorted(trainer.checkpoints.state())
 
 
 def test_an_epoch_whose_record_fails_is_trained_again_and_recorded_once(tmp_path):

@@ -84,7 +84,7 @@ def test_resume_continues_with_the_outer_momentum(tmp_path):
     saved = checkpoints.load(str(tmp_path / "b" / "model.001"))
     assert numpy.abs(saved["hidden/W/local_sgd_momentum"]).max() > 1e-4  # there is momentum to restore
     resumed = _epochs(tmp_path / "b", 2, **options)
-    assert resumed.start_epoch() == 3  # it did resume, at epoch 2
+    assert resumed.checkpoints.start_epoch() == 3  # it did resume, at epoch 2
     assert_params_close(params(resumed), params(uninterrupted), atol=1e-5)
 
 
@@ -118,7 +118,7 @@ def test_bfloat16_syncs_stay_close_to_float32_syncs(tmp_path):
     difference = max_difference(results["float32"], results["bfloat16"])
     largest = max(float(numpy.abs(c[0]).max()) for c in results["float32"].values())
     # bfloat16 keeps 8 significant bits: each sync rounds the change since the last one by <= 2^-8
-    # of it. After 4 syncs here: 0.0012 at a largest parameter of 0.70 (README, "Compressed syncs").
+    # of it. After 4 syncs here: 0.0012 at a largest parameter of 0.70 (docs/local_sgd.md, "Compressed syncs").
     print(f"bfloat16 against float32 syncs: max difference {difference:.3g}, max |param| {largest:.3g}")
     assert 0 < difference <= 3e-3 * largest, (difference, largest)
 
@@ -237,7 +237,7 @@ def _dataset_with_a_nan_sequence(num_seqs=24, nan_seq=5):
 
 @pytest.mark.parametrize("strategy", ["local_sgd", "mirrored", "local_sgd_tpu"])
 def test_nonfinite_update_stops_the_run_and_is_never_applied(tmp_path, strategy):
-    from returnn_tpu.trainer import NonFiniteUpdate
+    from returnn_tpu.faults import NonFiniteUpdate
 
     extra = {"cluster_resolver": "local", "jit_compile": False} if strategy == "local_sgd_tpu" else {}
     trainer = make_trainer(tmp_path, FEED_FORWARD, strategy=strategy, train=_dataset_with_a_nan_sequence(),
@@ -267,7 +267,7 @@ def test_nonfinite_updates_skipped_on_request(tmp_path):
 
 def test_a_diverged_model_is_never_written(tmp_path):
     """A learning rate of 1e38 overflows the parameters themselves; the run stops, unsaved."""
-    from returnn_tpu.trainer import NonFiniteScore
+    from returnn_tpu.faults import NonFiniteScore
 
     trainer = make_trainer(tmp_path, FEED_FORWARD, learning_rate=1e38, train=TRAIN_100)
     with pytest.raises(NonFiniteScore, match="replica"):

@@ -75,7 +75,7 @@ def resolve_cluster(kind: str = "auto", environ: Mapping[str, str] = os.environ)
     if kind in ("mpi", "sge"):
         resolver, description = mpi_cluster_resolver(environ)
         return Cluster("mpi", resolver, resolver.task_id, len(resolver.cluster_spec().job_tasks("worker")), description)
-    raise ConfigError(f"cluster_resolver {kind!r} cannot be used with this strategy; use 'auto', 'tf_config', 'mpi', 'sge' or 'local'")
+    raise AssertionError(f"unhandled cluster_resolver {kind!r}")  # options.py validated it
 
 
 def _check_addresses(cluster: Mapping[str, list], own: tuple):

@@ -48,7 +48,7 @@ class DiLoCoAveraging(ParameterAveraging):
                 f"steps {self.step_scale:.1f}x the replicas' mean change once its momentum has built up; with "
                 f"param_sync_step {param_sync_step} (fewer than {self.FEW_INNER_STEPS} updates between syncs) such "
                 f"outer steps overshoot at RETURNN's usual learning rates: learning_rate / (1 - momentum) of at most "
-                f"{self.OVERSHOOT_SCALE:g} (e.g. 0.7 and 0.5) trains (README, 'Outer optimizer')")
+                f"{self.OVERSHOOT_SCALE:g} (e.g. 0.7 and 0.5) trains (docs/local_sgd.md, 'Outer optimizer')")
 
     def create_state(self, strategy, variables):
         super().create_state(strategy, variables)
