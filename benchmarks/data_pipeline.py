@@ -141,7 +141,10 @@ def main():
     parser.add_argument("--workers", type=int, default=1, help="> 1: producer per worker against one on worker 0")
     parser.add_argument("--precomputed", action="store_true",
                         help="the HDF file holds the features (read directly, no PostprocessingDataset)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.seqs, args.epochs, args.units = 40, 2, [16]
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_pipeline_")
     write_hdf(os.path.join(work, "signal.hdf"), args.seqs, dim=40 if args.precomputed else SAMPLES_PER_FRAME)
     ours = [sys.executable, "-m", "returnn_tpu.cli"]

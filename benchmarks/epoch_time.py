@@ -63,7 +63,10 @@ def main():
     parser.add_argument("config")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.epochs, args.runs = 2, 1
     config = os.path.abspath(args.config)
     work = tempfile.mkdtemp(prefix="returnn_tpu_epoch_time_")
     settings = ["++model", "out/model", "++log", "out/train.log", "++num_epochs", str(args.epochs),

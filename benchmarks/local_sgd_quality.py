@@ -152,7 +152,10 @@ def main():
     parser.add_argument("--only", nargs="*", help="variants to run besides sync_sgd (default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[None], help="random_seed of each run (default: "
                         "the config's)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.task, args.epochs, args.num_seqs, args.only = "lstm32", 1, 40, ["local_sgd_4"]
     args.epochs = args.epochs or (2 if args.task == "lstm32" else 3)
     variants = VARIANTS if args.task == "lstm32" else DEMO_VARIANTS
     names = ["sync_sgd"] + [n for n in variants if n != "sync_sgd" and (not args.only or n in args.only)]

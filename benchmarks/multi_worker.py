@@ -167,7 +167,10 @@ def main():
     parser.add_argument("--sync-step", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--measure-sync", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.hidden = 3, 16
     if args.worker:
         return worker_main(args)
     alone = run_setting("single", 1, args.steps, args.hidden)

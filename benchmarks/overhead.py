@@ -135,7 +135,10 @@ def main():
     parser.add_argument("--unit", default="nativelstm2", choices=["nativelstm2", "standardlstm", "ff"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.unit, args.rounds, args.steps = "ff", 1, 3
     setup_returnn()
     batches = make_batches(args.steps)
     with tempfile.TemporaryDirectory() as model_dir:

@@ -68,7 +68,10 @@ def main():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--single", action="store_true", help="distribute_strategy 'single', defaults")
     parser.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.replicas, args.epochs = [1, 2], 1
     config = os.path.abspath(args.config)
     work = tempfile.mkdtemp(prefix="returnn_tpu_startup_")
     settings = ["++model", "out/model", "++num_epochs", str(args.epochs), "++learning_rate_file", "out/lr",

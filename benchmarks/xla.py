@@ -180,7 +180,10 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=[f"{seqs}x{frames}" for seqs, frames in SHAPES],
                         help="SEQSxFRAMES batch shapes of the step-time table")
     parser.add_argument("--units", type=int, nargs="+", default=[256], help="network widths, each measured in turn")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps, args.epoch_seqs, args.epochs, args.shapes, args.units = 1, 1, 40, 1, ["4x16"], [16]
     args.shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     setup_returnn()
     for units in args.units:
