@@ -101,7 +101,7 @@ def run_row(strategy: str, options: dict) -> dict:
     trainer = Trainer(config, DistributeOptions.from_config_values(strategy, options))
     trainer.use_network_of_epoch(1)
     times = []
-    for step, (step_batches, _) in enumerate(trainer.epoch_batches(trainer.train_datasets, 1, train=True)):
+    for step, (step_batches, _) in enumerate(trainer.data.train_batches(1)):
         if step == STEPS:
             break
         compilations, start = trainer.steps.compilations, time.perf_counter()

@@ -20,13 +20,12 @@ import tensorflow as tf
 import returnn_tpu
 from returnn_tpu import checkpoints
 from returnn_tpu.cluster import Cluster
-from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import init_eval_datasets, init_seq_order, read_ahead, template_shapes
+from returnn_tpu.data import read_ahead
+from returnn_tpu.epochs import EpochData
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.faults import NONFINITE_CHECK_STEPS, NonFiniteMonitor, NonFiniteScore, StopRequest, Stopped
 from returnn_tpu.networks import EpochNetworks
 from returnn_tpu.optimizers import GradientOptions, StepLearningRate, optimizer_from_config
-from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
@@ -71,15 +70,9 @@ class Trainer:
                 f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
                 "inside the compiled step); use 'local_sgd' or 'mirrored'"
             )
-        # One producer serves all workers: it makes the batches of all replicas.
-        self.shared_producer = options.data_producer == "chief" and self.cluster.num_workers > 1
-        self.producer = self._start_producer(config_source) if config_source else None  # works while the rest is set up
-        # With a producer, it reads the training data; one instance here, for the checks below only.
-        train_datasets = init_datasets(config, "train") if self.producer else init_datasets(
-            config, "train", self.steps.local_replicas, self.steps.first_replica, options.dataset_distribution
-        )
-        if not train_datasets:
-            raise ConfigError("config option 'train' (the training dataset) is missing")
+        self.data = EpochData(config, options, self.cluster, self.workers, num_replicas=self.steps.num_replicas,
+                              local_replicas=self.steps.local_replicas, first_replica=self.steps.first_replica,
+                              config_source=config_source)
         if options.jit_compile and not config.has("inf_value"):
             # Buckets fill a batch with empty sequences. RETURNN masks attention energies with
             # -inf_value, which over no frames makes the softmax (and the gradient) NaN; a finite
@@ -88,18 +81,6 @@ class Trainer:
             config.set("inf_value", FINITE_INF_VALUE)
         self.info, self._inspected = None, None  # what the builder's network is, and of which net dict
         self._inspect_network()
-        self.bucket_boundaries = None
-        if options.jit_compile:
-            key = self.extern_data.default_input
-            self.bucket_boundaries = options.bucket_boundaries or default_bucket_boundaries(train_datasets[0], key)
-        self._read_batching_options()
-        self.dev_datasets = init_eval_datasets(config)
-        for dataset in train_datasets[:1] + self.dev_datasets:
-            self._check_data_matches(dataset)
-        self.train_datasets = None if self.producer else train_datasets  # the data is held once per worker
-        for dataset in self.dev_datasets:  # what RETURNN's dataset refuses is found now, not after epoch 1
-            init_seq_order(dataset, 1)
-            dataset.finish_epoch()  # a MetaDataset fails a second init of one epoch (FACTS.md, "MetaDataset epochs")
         self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
         self.checkpoints = checkpoints.RunCheckpoints(config, self.networks, self.builder, self.optimizer, self.averaging,
@@ -133,30 +114,6 @@ class Trainer:
         self._resume_prefix: Optional[str] = None  # that checkpoint (an epoch's, or an interrupted epoch's)
         self._network_epoch: Optional[int] = None  # the epoch whose network is built (None: none yet)
 
-    def _start_producer(self, config_source: Tuple[str, List[str]]):
-        """The training data's producer (``data_producer``): this worker's own process; with
-        ``"chief"`` and several workers, worker 0's, which serves all (worker 0 tells the others
-        its port and key through the collective); None for ``"thread"``."""
-        if self.options.data_producer == "thread":
-            return None
-        common = dict(dataset_key="train", distribution=self.options.dataset_distribution,
-                      prefetch=self.options.data_prefetch)
-        if not self.shared_producer:
-            return DataProducer(*config_source, num_replicas=self.steps.local_replicas,
-                                first_replica=self.steps.first_replica, **common)
-        host, producer = self.cluster.chief_host, None
-        if self.cluster.is_chief:
-            serve = ServeOptions(host, os.urandom(16), self.cluster.num_workers, self.steps.local_replicas)
-            producer = DataProducer(*config_source, num_replicas=self.steps.num_replicas, first_replica=0,
-                                    serve=serve, **common)
-            told = [producer.port(), *numpy.frombuffer(serve.authkey, numpy.uint32)]
-        else:
-            told = [0] * 5
-        port, *key = self.workers.rows([float(x) for x in told])[0]
-        if producer:
-            return producer
-        return RemoteProducer((host, int(port)), numpy.array(key, numpy.uint32).tobytes(), self.cluster.worker_index)
-
     def _replica_steps(self) -> ReplicaSteps:
         """Step functions for the builder's current network (traced on their first call)."""
         return ReplicaSteps(
@@ -182,33 +139,7 @@ class Trainer:
         self.info = self.builder.inspect()
         self._inspected = self.builder.net_dict
         self._check_same_network_everywhere()
-        self.extern_data = self.info.extern_data
-        # Every data key the network uses, as RETURNN feeds them (it asks the dataset for each, also
-        # for one its get_data_keys() does not list).
-        self.data_keys = list(self.info.used_data_keys)
-
-    def _check_data_matches(self, dataset):
-        """The dataset's dims, shapes and dtypes are the network's ``extern_data`` (RETURNN's
-        check), before any step: a mismatch is bad input, not a failure in the middle of batching."""
-        try:
-            self.extern_data.check_matched_dataset(dataset, used_data_keys=self.data_keys)
-        except AssertionError as exc:
-            what = str(exc).split(". ")[0]  # "key 'data' dim mismatch"
-            key = next((k for k in self.data_keys if f"key {k!r}" in what), self.extern_data.default_input)
-            data = self.extern_data.data[key]
-            raise ConfigError(
-                f"{dataset.name}: {what}: the network's extern_data[{key!r}] (num_inputs/num_outputs) has dim "
-                f"{data.dim}, shape {data.shape}, dtype {data.dtype}; the dataset has dim {dataset.get_data_dim(key)}, "
-                f"shape {tuple(dataset.get_data_shape(key))}, dtype {dataset.get_data_dtype(key)}"
-            ) from None
-
-    def _read_batching_options(self):
-        """RETURNN's batching options from the config (again after a network's ``#config`` set them)."""
-        self.eval_batching = self.batching = BatchingOptions(self.config)
-        if self.bucket_boundaries is not None:  # XLA: static shapes, for evaluation too (no sequence left out)
-            key = self.extern_data.default_input
-            self.batching = BucketBatching(self.config, self.bucket_boundaries, key)
-            self.eval_batching = BucketBatching(self.config, self.bucket_boundaries, key, keep_longer=True)
+        self.data.use_network(self.info)
 
     def use_network_of_epoch(self, epoch: int):
         """Switches to the network ``epoch`` trains if it differs from the current one, as RETURNN's
@@ -220,7 +151,7 @@ class Trainer:
         """
         net_dict = self.networks.net_dict(epoch)
         if self.networks.apply_config_updates(net_dict, epoch, self.learning_rate_control):
-            self._read_batching_options()
+            self.data.read_batching_options()
         first = self._network_epoch is None
         if not first and not self.networks.differs(self.builder.net_dict, net_dict):
             return
@@ -316,33 +247,6 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    def epoch_batches(self, datasets, epoch: int, *, train: bool) -> EpochBatches:
-        """This worker's batches of an epoch; with several workers, all do the same number of steps."""
-        # random_seed_offset: every replica walks its own copy (also with one replica per worker);
-        # shard, and always for evaluation: one order, dealt to the replicas of all workers in turn.
-        own_copies = train and self.options.dataset_distribution == "random_seed_offset"
-        if self.shared_producer and train:  # it makes all replicas' batches and hands each worker its own
-            ours = range(self.steps.num_replicas)
-        else:
-            ours = range(self.steps.first_replica, self.steps.first_replica + self.steps.local_replicas)
-        what = dict(
-            epoch=epoch,
-            data_keys=self.data_keys,
-            batching=self.batching if train else self.eval_batching,
-            recurrent=self.info.recurrent,
-            train=train,
-            slots=None if own_copies else ours,
-            num_slots=None if own_copies else self.steps.num_replicas,
-            pad_last=not train,
-        )
-        if train and self.producer:
-            batches = self.producer.epoch(**what, templates=template_shapes(self.extern_data, self.data_keys),
-                                          while_waiting=lambda: self._stop_while_waiting(epoch))
-        else:
-            batches = EpochBatches(datasets, extern_data=self.extern_data, prefetch=self.options.data_prefetch, **what)
-        batches.limit_steps(min(self.workers.all_workers(batches.num_steps)))
-        return batches
-
     def on_device(self, batches):
         """``batches``' steps with each replica's batch already on its device: the next step's is
         copied there while the current step runs."""
@@ -424,7 +328,7 @@ class Trainer:
         written to ``model`` (no epoch suffix), as RETURNN writes them."""
         try:
             self.use_network_of_epoch(1)
-            step_batches, _ = next(iter(self.epoch_batches(self.train_datasets, 1, train=True)))
+            step_batches, _ = next(iter(self.data.train_batches(1)))
             self._build(step_batches)
             self.checkpoints.save_model()
         finally:
@@ -432,8 +336,7 @@ class Trainer:
 
     def close(self):
         """Ends the dataset producer process, if there is one."""
-        if self.producer:
-            self.producer.close()
+        self.data.close()
 
     def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None):
         """One training step on one batch per local replica, then a local-SGD sync if one is due
@@ -473,7 +376,7 @@ class Trainer:
         prefix = ("pre" if self.networks.is_pretrain_epoch(epoch) else "") + f"train epoch {epoch}"  # RETURNN's
         progress = StepProgress(self.log, prefix, self.exp_loss) if self.log.verbose[5] else None
         start = time.perf_counter()
-        batches = self.epoch_batches(self.train_datasets, epoch, train=True)
+        batches = self.data.train_batches(epoch, while_waiting=lambda: self._stop_while_waiting(epoch))
         batches.start_at(first_step)
         stats.data_making_seconds = batches.making_seconds
         waited_since = start  # making the epoch's batch lists is waiting for data too
@@ -509,7 +412,7 @@ class Trainer:
         if xla:
             print(
                 f"epoch {epoch}: XLA: {xla['xla_compiled_shapes']} step shapes compiled (buckets "
-                f"{list(self.batching.boundaries)}), {xla['xla_compilations']} compilations in this epoch "
+                f"{list(self.data.bucket_boundaries)}), {xla['xla_compilations']} compilations in this epoch "
                 f"({xla['xla_compile_seconds']:.1f} s), {100 * xla['padding_fraction']:.1f}% of frames are padding, "
                 f"{xla['dropped_seqs']} sequences longer than the largest bucket dropped",
                 file=self.log.v2,
@@ -570,9 +473,9 @@ class Trainer:
         Every batch is evaluated exactly once, spread over all replicas of all workers.
         """
         results = {}
-        for dataset in self.dev_datasets:
+        for dataset in self.data.dev_datasets:
             scores = ScoreAccumulator(self.strategy, self.exp_loss)
-            for step_batches, weights in self.on_device(self.epoch_batches([dataset], epoch, train=False)):
+            for step_batches, weights in self.on_device(self.data.eval_batches(dataset, epoch)):
                 scores.add(self.steps.evaluate(step_batches, weights))
             scores.combine(self.workers.sum)
             results[dataset.name] = {"score": scores.score(), "error": scores.error()}
@@ -589,9 +492,9 @@ class Trainer:
 
     def _xla_report(self) -> Optional[dict]:
         """Per-epoch XLA figures (compiled shapes so far, padding, dropped sequences), or None."""
-        if not isinstance(self.batching, BucketBatching):
+        counted = self.data.xla_counters()
+        if counted is None:
             return None
-        counted = self.batching.take_counters()
         compilations, seconds = self.steps.take_compilations()
         return {
             "xla_compiled_shapes": len(self.steps.compiled_shapes),

@@ -42,7 +42,7 @@ def _trainer(tmp_path, distribution):
 def test_shard_uses_every_sequence_once_across_local_replicas(tmp_path):
     trainer = _trainer(tmp_path, "shard")
     seen = collections.Counter()
-    for step_batches, _ in trainer.epoch_batches(trainer.train_datasets, 1, train=True):
+    for step_batches, _ in trainer.data.train_batches(1):
         for batch in step_batches:
             seen.update(_seqs(batch))
     assert seen == collections.Counter(range(NUM_SEQS))
@@ -56,9 +56,9 @@ def test_shard_uses_every_sequence_once_across_workers(tmp_path):
     seen, steps = collections.Counter(), []
     for worker in (0, 1):
         batches = EpochBatches(
-            init_datasets(trainer.config, "train", 1, worker, "shard"), epoch=1, extern_data=trainer.extern_data,
-            data_keys=trainer.data_keys, batching=trainer.batching, recurrent=trainer.info.recurrent, train=True,
-            slots=range(worker, worker + 1), num_slots=2,
+            init_datasets(trainer.config, "train", 1, worker, "shard"), epoch=1, extern_data=trainer.data.extern_data,
+            data_keys=trainer.data.data_keys, batching=trainer.data.batching, recurrent=trainer.data.recurrent,
+            train=True, slots=range(worker, worker + 1), num_slots=2,
         )
         steps.append(batches.num_steps)
         for (batch,), _ in batches:
@@ -70,7 +70,7 @@ def test_shard_uses_every_sequence_once_across_workers(tmp_path):
 def test_random_seed_offset_gives_each_replica_every_sequence_in_its_own_order(tmp_path, epoch):
     trainer = _trainer(tmp_path, "random_seed_offset")
     orders = [[], []]
-    for step_batches, _ in trainer.epoch_batches(trainer.train_datasets, epoch, train=True):
+    for step_batches, _ in trainer.data.train_batches(epoch):
         for replica, batch in enumerate(step_batches):
             orders[replica] += _seqs(batch)
     for order in orders:

@@ -55,7 +55,7 @@ def test_one_compilation_per_bucket(tmp_path):
         distribute_options={"jit_compile": True, "bucket_boundaries": [20, 40, 80, 120]},
     )
     shapes, steps = set(), 0
-    for step_batches, _ in trainer.epoch_batches(trainer.train_datasets, 1, train=True):
+    for step_batches, _ in trainer.data.train_batches(1):
         trainer.train_step(step_batches, 0.01)
         shapes.add(step_batches[0]["data"].shape)
         steps += 1
@@ -195,10 +195,10 @@ def test_evaluation_with_xla_on_buckets_equals_plain_evaluation(tmp_path, rng):
     )
     trainer.train_step(random_step_batches(rng, 1), 0.01)  # builds the variables
     compiled = trainer.evaluate(1)["dev"]
-    shapes = {b[0]["data"].shape for b, _ in trainer.epoch_batches(trainer.dev_datasets, 1, train=False)}
+    shapes = {b[0]["data"].shape for b, _ in trainer.data.eval_batches(trainer.data.dev_datasets[0], 1)}
     assert {length for _, length, _ in shapes} <= {16, 32, 64, 96, 128, 160}  # the buckets, and multiples of 32
     assert any(length > 32 for _, length, _ in shapes)  # the longer sequences were evaluated
-    trainer.steps._jit_evaluate, trainer.eval_batching = None, BatchingOptions(trainer.config)
+    trainer.steps._jit_evaluate, trainer.data.eval_batching = None, BatchingOptions(trainer.config)
     plain = trainer.evaluate(1)["dev"]
     for kind in ("score", "error"):
         for key, value in plain[kind].items():
