@@ -226,7 +226,8 @@ class EpochReport:
               f"({100 * stats.computing_time_share:.1f}% computing time)", file=self.log.v3)  # RETURNN's line
         # Not in the process's first epoch (startup_seconds set): nothing could be made ahead of it.
         made_ahead = stats.startup_seconds is None
-        if made_ahead and stats.data_wait_seconds > 0.05 * stats.seconds and stats.data_making_seconds > stats.step_seconds:
+        waited = stats.data_wait_seconds > 0.05 * stats.seconds
+        if made_ahead and waited and stats.data_making_seconds > stats.step_seconds:
             print(f"{train_prefix}: {stats.data_wait_seconds:.1f} s waiting for data; making its batch lists took "
                   f"{stats.data_making_seconds:.1f} s, its steps {stats.step_seconds:.1f} s: the dataset is slower "
                   "than the training", file=self.log.v3)

@@ -108,8 +108,7 @@ def run_row(strategy: str, options: dict) -> dict:
         trainer.local_sums(trainer.train_step(step_batches, 0.01))  # reads the metrics back: the step is done
         if trainer.steps.compilations == compilations:  # a step that compiled (XLA, new shape) is no step time
             times.append(time.perf_counter() - start)
-    if trainer.averaging:
-        trainer.sync()
+    trainer.sync()
     difference = 0.0
     for var in trainer.builder.variables.by_name.values():
         copies = [copy.numpy() for copy in trainer.strategy.experimental_local_results(var)]

@@ -32,7 +32,7 @@ from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_com
 from returnn_tpu.steps import ReplicaSteps
 from returnn_tpu.strategies import is_local_sgd, make_strategy
 from returnn_tpu.startup import check_supported
-from returnn_tpu.sync import SyncDue, SyncSchedule, make_averaging
+from returnn_tpu.sync import make_syncs
 from returnn_tpu.workers import WorkerCollectives
 
 FINITE_INF_VALUE = 1e30  # RETURNN's ``inf_value`` with XLA buckets: in float32 and bfloat16 range
@@ -58,7 +58,8 @@ class Trainer:
         self.cluster = cluster or Cluster("local", None)
         self.strategy = make_strategy(options, self.cluster)
         self.workers = WorkerCollectives(self.strategy, self.cluster.worker_index)
-        self.averaging = make_averaging(options) if is_local_sgd(self.strategy) else None
+        self.syncs = make_syncs(options, local_sgd=is_local_sgd(self.strategy), num_workers=self.cluster.num_workers,
+                                local_replicas=len(self.strategy.extended.worker_devices), any_worker=self.workers.any)
         self.networks = EpochNetworks(config)
         self.builder = NetworkBuilder(config, net_dict=self.networks.net_dict(1))
         self.optimizer = optimizer_from_config(config)
@@ -83,26 +84,15 @@ class Trainer:
         self._inspect_network()
         self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
-        self.checkpoints = checkpoints.RunCheckpoints(config, self.networks, self.builder, self.optimizer, self.averaging,
-                                                      num_epochs=self.num_epochs, chief=self.cluster.is_chief, log=log)
+        self.checkpoints = checkpoints.RunCheckpoints(
+            config, self.networks, self.builder, self.optimizer, self.syncs.averaging,
+            num_epochs=self.num_epochs, chief=self.cluster.is_chief, log=log,
+        )
         self.report = EpochReport(
             config, log, self.learning_rate_control, model_filename=self.checkpoints.model_filename,
             chief=self.cluster.is_chief,
             static_fields={"strategy": options.strategy, "num_workers": self.cluster.num_workers,
                            "num_replicas": self.steps.num_replicas, "distribute_options": options.in_force()},
-        )
-        local_step = options.local_param_sync_step
-        if local_step and self.steps.local_replicas == 1:
-            print("returnn-tpu: distribute_options['local_param_sync_step'] has no effect with one replica per "
-                  "worker", file=log.v2)
-            local_step = None
-        self.sync_schedule = SyncSchedule(
-            options.param_sync_step,
-            options.param_sync_time_diff,
-            fragments=options.sync_fragments,
-            local_step=local_step,
-            any_worker=self.workers.any,
-            time_check_steps=1 if self.cluster.num_workers == 1 else 10,
         )
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
         self.stop_request = StopRequest(self.workers, self.cluster.num_workers, log)  # cli.py installs its handler
@@ -121,7 +111,7 @@ class Trainer:
             self.builder,
             self.optimizer,
             jit_compile=self.options.jit_compile,
-            averaging=self.averaging,
+            averaging=self.syncs.averaging,
             num_fragments=self.options.sync_fragments,
             gradients=GradientOptions.from_config(self.config),
             step_learning_rate=StepLearningRate.from_config(self.config),
@@ -163,8 +153,7 @@ class Trainer:
             elif self.networks.reset_output_layers(epoch):
                 reset = self.info.output_layer_params
             self.optimizer.reset_slots()
-            if self.averaging:  # the new network's outer state starts from its parameters
-                self.averaging.forget_state()
+            self.syncs.network_changed()
         # Resuming, RETURNN creates the network in the epoch of the checkpoint it loads.
         seed_epoch = self._resume_epoch if first and self._resume_epoch else epoch
         seeds = self.networks.random_seeds(seed_epoch)
@@ -210,11 +199,7 @@ class Trainer:
             self._resume_prefix = None
             self.micro_steps = int(self.optimizer.step.numpy()) * self.accum_grad_steps
             self._resume_epoch = 0
-        if self.averaging:
-            # One model everywhere, whatever each worker loaded, and the anchor that model (at a
-            # checkpoint, the anchor is the model: checkpoints are written after a full sync).
-            self.steps.start_sync()
-            self.sync_schedule.synced()
+        self.syncs.at_network_start(self.steps)
 
     def _check_same_network_everywhere(self):
         """Every worker's network has the same parameters (names and shapes), or a one-line error
@@ -234,16 +219,10 @@ class Trainer:
         """The value of this worker's first replica's copy of ``var``."""
         return self.strategy.experimental_local_results(var)[0].numpy()
 
-    def sync(self, due: Optional[SyncDue] = None, stats: Optional[EpochStats] = None):
-        """Combines the replicas' copies (local SGD only) as ``due`` says, by default all of them
-        (which restarts the schedule's phase); counted in ``stats``."""
-        start = time.perf_counter()
-        if due is None:
-            due = self.sync_schedule.all_fragments
-            self.sync_schedule.synced()
-        self.steps.sync(due, self.learning_rate)
-        if stats:
-            stats.add_sync(time.perf_counter() - start, self.steps.sync_bytes(due), local=due.local)
+    def sync(self, stats: Optional[EpochStats] = None):
+        """Makes the replicas' copies one model now (local SGD; synchronous strategies' copies are
+        always equal); counted in ``stats``."""
+        self.syncs.now(self.steps, self.learning_rate, stats)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -306,10 +285,7 @@ class Trainer:
         known to overshoot."""
         notes = [f"distribute_options in force: {self.options.in_force()}"]
         replicas = self.steps.num_replicas
-        if self.averaging and replicas == 1:
-            notes.append(f"{self.options.strategy} with 1 replica trains as on one device (nothing to average); "
-                         "set distribute_options['num_replicas'] (CPU: logical devices), or run on several GPUs or "
-                         "workers")
+        notes += self.syncs.start_notes(self.options.strategy, replicas)
         if replicas > 1 and self.options.dataset_distribution == "random_seed_offset":
             notes.append(f"an epoch is {replicas} passes over the training data: each of the {replicas} replicas "
                          "walks its own copy in its own order (as RETURNN's Horovod mode does), and epoch-keyed "
@@ -317,10 +293,6 @@ class Trainer:
                          "makes an epoch one pass, dealt to the replicas")
         elif replicas > 1:
             notes.append(f"an epoch is one pass over the training data, its batches dealt to the {replicas} replicas")
-        sync_steps = None if self.options.param_sync_time_diff else self.options.param_sync_step
-        warning = self.averaging and self.averaging.start_warning(sync_steps)
-        if warning:
-            notes.append(f"warning: {warning}")
         return notes
 
     def initialize_model(self):
@@ -356,13 +328,10 @@ class Trainer:
         if self.micro_steps % self.accum_grad_steps:  # RETURNN applies on every N-th global step
             return self.steps.accumulate(step_batches)
         self.learning_rate = learning_rate
-        due = self.sync_schedule.step() if self.averaging else None  # param_sync_step counts updates
-        metrics = self.steps.train(step_batches, learning_rate, due if self.steps.in_step else None)
+        due = self.syncs.due()
+        metrics = self.steps.train(step_batches, learning_rate, due)
         stats.sync_bytes += self.steps.gradient_bytes  # synchronous strategies: the gradients
-        if due and self.steps.in_step:
-            stats.add_sync(0.0, self.steps.sync_bytes(due), local=due.local)  # inside the step: not timed
-        elif due:
-            self.sync(due, stats)
+        self.syncs.after_update(self.steps, due, learning_rate, stats)
         return metrics
 
     def train_epoch(self, epoch: int, first_step: int = 0):
@@ -398,8 +367,7 @@ class Trainer:
             raise ConfigError(f"train: epoch {epoch} has no batch for every replica (too few sequences, or all "
                               "longer than max_seq_length); check the dataset and batching options")
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
-        if self.averaging and self.sync_schedule.pending():
-            self.sync(stats=stats)
+        self.syncs.at_epoch_end(self.steps, learning_rate, stats)
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)
         if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
@@ -437,8 +405,7 @@ class Trainer:
             raise Stopped(f"{where}; nothing was trained since the newest checkpoint: run the same command to "
                           "resume", signum)
         self.check_nonfinite(epoch, stats)  # no replica's copy is non-finite
-        if self.averaging:
-            self.sync(stats=stats)
+        self.sync(stats)
         prefix = self.checkpoints.save_interrupted(epoch, step)
         self.workers.all_workers(0)  # the chief has written it
         raise Stopped(f"{where}; the combined model is in {prefix}: run the same command to continue "

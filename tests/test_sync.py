@@ -160,13 +160,13 @@ def test_local_syncs_in_the_trainer_leave_the_outer_state_alone(tmp_path):
     trainer = make_trainer(tmp_path, FEED_FORWARD, distribute_options={
         "param_sync_step": 6, "local_param_sync_step": 2, "outer_optimizer": DILOCO})
     train_steps(trainer, 1, seed=0)
-    anchor = trainer.averaging.anchors["hidden/W"].numpy()
+    anchor = trainer.syncs.averaging.anchors["hidden/W"].numpy()
     after_2 = train_steps(trainer, 1, seed=1)
     assert replicas_equal(after_2["hidden/W"])  # one worker: the local sync averages all its replicas
-    numpy.testing.assert_array_equal(trainer.averaging.anchors["hidden/W"].numpy(), anchor)
+    numpy.testing.assert_array_equal(trainer.syncs.averaging.anchors["hidden/W"].numpy(), anchor)
     assert not numpy.array_equal(after_2["hidden/W"][0], anchor)
     train_steps(trainer, 4, seed=2)  # step 6: the global sync moves the anchor
-    assert not numpy.array_equal(trainer.averaging.anchors["hidden/W"].numpy(), anchor)
+    assert not numpy.array_equal(trainer.syncs.averaging.anchors["hidden/W"].numpy(), anchor)
 
 
 @pytest.mark.parametrize("strategy", ["local_sgd", "local_sgd_tpu"])

@@ -13,11 +13,15 @@ from returnn_tpu.options import DistributeOptions
 from returnn_tpu.sync.averaging import ParameterAveraging, mean_over_all_replicas, mean_within_groups
 from returnn_tpu.sync.diloco import DiLoCoAveraging
 from returnn_tpu.sync.fragments import split_into_fragments
+from returnn_tpu.sync.lifecycle import CopiesAlwaysEqual, LocalSGDSyncs
 from returnn_tpu.sync.schedule import SyncDue, SyncSchedule
 from returnn_tpu.sync.slowmo import SlowMoAveraging
 
 __all__ = [
     "make_averaging",
+    "make_syncs",
+    "CopiesAlwaysEqual",
+    "LocalSGDSyncs",
     "ParameterAveraging",
     "DiLoCoAveraging",
     "SlowMoAveraging",
@@ -39,3 +43,25 @@ def make_averaging(options: DistributeOptions) -> ParameterAveraging:
     outer = dict(options.outer_optimizer)
     cls = OUTER_OPTIMIZERS[outer.pop("class")]
     return cls(**common, **outer)
+
+
+def make_syncs(options: DistributeOptions, *, local_sgd: bool, local_replicas: int, num_workers: int,
+               any_worker) -> CopiesAlwaysEqual:
+    """What the loop's sync points do: nothing for synchronous strategies; for local SGD the
+    schedule and averaging ``distribute_options`` ask for. ``any_worker(flag)`` is True on every
+    worker if it is on any (the time-based schedule's agreement, every 10 updates with several
+    workers)."""
+    if not local_sgd:
+        return CopiesAlwaysEqual()
+    local_step = options.local_param_sync_step if local_replicas > 1 else None
+    schedule = SyncSchedule(
+        options.param_sync_step,
+        options.param_sync_time_diff,
+        fragments=options.sync_fragments,
+        local_step=local_step,
+        any_worker=any_worker,
+        time_check_steps=1 if num_workers == 1 else 10,
+    )
+    return LocalSGDSyncs(make_averaging(options), schedule,
+                         sync_steps=None if options.param_sync_time_diff else options.param_sync_step,
+                         ignored_local_step=bool(options.local_param_sync_step) and local_step is None)
