@@ -238,9 +238,7 @@ class RunCheckpoints:
         self.averaging = averaging
         self.chief = chief
         self.log = log
-        self.model_filename = config.value("model", None)
-        if not self.model_filename:
-            raise ConfigError("config option 'model' (where checkpoints go) is missing")
+        self.model_filename = config.value("model", None)  # startup.check_config: set
         self.num_epochs = num_epochs  # the last epoch is always saved
         self.save_interval = config.int("save_interval", 1)
 

@@ -49,8 +49,6 @@ class EpochData:
         self.train_datasets = init_datasets(config, "train") if self.producer else init_datasets(
             config, "train", local_replicas, first_replica, options.dataset_distribution
         )
-        if not self.train_datasets:
-            raise ConfigError("config option 'train' (the training dataset) is missing")
         self.dev_datasets = init_eval_datasets(config)
         self.extern_data, self.data_keys, self.recurrent = None, [], False
         self.bucket_boundaries: Optional[List[int]] = None

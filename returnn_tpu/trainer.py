@@ -18,7 +18,7 @@ import numpy
 import tensorflow as tf
 
 import returnn_tpu
-from returnn_tpu import checkpoints
+from returnn_tpu import checkpoints, xla
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.data import read_ahead
 from returnn_tpu.epochs import EpochData
@@ -31,11 +31,10 @@ from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, Ste
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 from returnn_tpu.strategies import is_local_sgd, make_strategy
-from returnn_tpu.startup import check_supported
+from returnn_tpu.startup import check_config
 from returnn_tpu.sync import make_syncs
 from returnn_tpu.workers import WorkerCollectives
 
-FINITE_INF_VALUE = 1e30  # RETURNN's ``inf_value`` with XLA buckets: in float32 and bfloat16 range
 
 
 class Trainer:
@@ -50,7 +49,7 @@ class Trainer:
                  config_source: Optional[Tuple[str, List[str]]] = None):
         from returnn.log import log
 
-        check_supported(config)
+        check_config(config)  # as the command line checks it, for trainers made from a Config object
         self.config = config
         self.learning_rate_control = self._learning_rate_control()  # bad input found before anything starts
         self.options = options
@@ -74,12 +73,8 @@ class Trainer:
         self.data = EpochData(config, options, self.cluster, self.workers, num_replicas=self.steps.num_replicas,
                               local_replicas=self.steps.local_replicas, first_replica=self.steps.first_replica,
                               config_source=config_source)
-        if options.jit_compile and not config.has("inf_value"):
-            # Buckets fill a batch with empty sequences. RETURNN masks attention energies with
-            # -inf_value, which over no frames makes the softmax (and the gradient) NaN; a finite
-            # mask gives those rows finite weights, and real sequences the same ones (exp underflows
-            # to 0 alike).
-            config.set("inf_value", FINITE_INF_VALUE)
+        if options.jit_compile:
+            xla.prepare_config(config)
         self.info, self._inspected = None, None  # what the builder's network is, and of which net dict
         self._inspect_network()
         self.exp_loss = config.bool("calculate_exp_loss", False)
@@ -376,17 +371,12 @@ class Trainer:
             raise NonFiniteScore(f"{self.epoch_name(epoch)}: non-finite train score {scores.score()}; not saved")
         print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
-        xla = self._xla_report()
-        if xla:
-            print(
-                f"epoch {epoch}: XLA: {xla['xla_compiled_shapes']} step shapes compiled (buckets "
-                f"{list(self.data.bucket_boundaries)}), {xla['xla_compilations']} compilations in this epoch "
-                f"({xla['xla_compile_seconds']:.1f} s), {100 * xla['padding_fraction']:.1f}% of frames are padding, "
-                f"{xla['dropped_seqs']} sequences longer than the largest bucket dropped",
-                file=self.log.v2,
-            )
+        figures = xla.epoch_figures(self.data, self.steps)
+        if figures:
+            print(xla.log_line(epoch, figures, self.data.bucket_boundaries), file=self.log.v2)
         self.report.record(epoch, self.epoch_name(epoch), scores, dev_results, stats, learning_rate,
-                           global_step=int(self.optimizer.step.numpy()), first_global_step=self.micro_steps - stats.steps, extra=xla)
+                           global_step=int(self.optimizer.step.numpy()),
+                           first_global_step=self.micro_steps - stats.steps, extra=figures)
         # The checkpoint last: a run resumes after the newest checkpoint, so an epoch whose dev
         # evaluation or record failed (a dataset that raises, a full disk) is trained again, and
         # learning_rate_file and metrics.jsonl never miss an epoch that has a checkpoint.
@@ -456,17 +446,3 @@ class Trainer:
             first_copy = self.strategy.experimental_local_results(var)[0]
             total += float(tf.reduce_sum(tf.abs(tf.cast(first_copy, tf.float64))))
         return total
-
-    def _xla_report(self) -> Optional[dict]:
-        """Per-epoch XLA figures (compiled shapes so far, padding, dropped sequences), or None."""
-        counted = self.data.xla_counters()
-        if counted is None:
-            return None
-        compilations, seconds = self.steps.take_compilations()
-        return {
-            "xla_compiled_shapes": len(self.steps.compiled_shapes),
-            "xla_compilations": compilations,
-            "xla_compile_seconds": round(seconds, 3),
-            "padding_fraction": round(counted["padded_frames"] / max(counted["total_frames"], 1), 4),
-            "dropped_seqs": counted["dropped"],
-        }
