@@ -1,8 +1,11 @@
 """The training loop: epochs, steps, learning-rate control, checkpoints, dev scores.
 
-The compiled step functions are in :mod:`returnn_tpu.steps`, when and how local SGD syncs in
-:mod:`returnn_tpu.sync`, what is reported in :mod:`returnn_tpu.reporting`, and the collectives
-between workers in :mod:`returnn_tpu.workers`; this module runs them in order. For local SGD,
+Each decision has its own owner, which the loop asks: the compiled step functions are
+:mod:`returnn_tpu.steps`, what an epoch's batches are :mod:`returnn_tpu.epochs`, when the copies
+are combined :mod:`returnn_tpu.sync` (its ``lifecycle``), the checkpoints
+:class:`returnn_tpu.checkpoints.RunCheckpoints`, what stops a run :mod:`returnn_tpu.faults`, what is
+reported :mod:`returnn_tpu.reporting`, and the collectives between workers
+:mod:`returnn_tpu.workers`; this module runs them in order. For local SGD,
 the copies are always combined before a checkpoint and before dev evaluation, so both see the
 combined model. With several workers, worker 0 (the chief) alone writes files.
 """

@@ -73,6 +73,7 @@ def test_replicas_drop_different_units(tmp_path):
     network = {
         "l": {"class": "dropout", "dropout": 0.5, "dropout_noise_shape": {"*": None}, "from": "data"},
         "output": {"class": "copy", "from": "l"},
+        "loss": {"class": "copy", "from": "l", "loss": "mse", "target": "data"},  # a trainer needs a loss
     }
     trainer = make_trainer(tmp_path, network, strategy="mirrored", num_replicas=2, train={"class": "Task12AXDataset", "num_seqs": 2})
     ones = {"data": numpy.ones((2, 50, 9), "float32"), "size:data:0": numpy.array([50, 50], "int32")}

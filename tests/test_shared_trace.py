@@ -123,6 +123,7 @@ def test_random_numbers_of_a_shared_build_differ_by_seed_step_and_loop_iteration
             "output": {"class": "copy", "from": "d"},
         }},
         "output": {"class": "copy", "from": "loop"},
+        "loss": {"class": "copy", "from": "loop", "loss": "mse", "target": "data"},  # a trainer needs a loss
     }
     trainer = make_trainer(tmp_path, network, strategy="single", num_replicas=1)
     ones = {"data": tf.ones((1, 40, 9)), "size:data:0": tf.constant([40])}
