@@ -41,7 +41,7 @@ def worker_main(args):
 
     from returnn_tpu.cluster import resolve_cluster
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.returnn_bridge import setup_returnn
+    from returnn_tpu.patches import setup_returnn
     from returnn_tpu.trainer import Trainer
 
     # One core per worker: the machine's cores are shared out, so "one worker alone, x2" is a

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from returnn_tpu.returnn_bridge import setup_returnn  # noqa: E402
+from returnn_tpu.patches import setup_returnn  # noqa: E402
 
 BATCH, FRAMES, FEATURES, CLASSES, UNITS = 16, 50, 9, 2, 256
 

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy  # noqa: E402
 
-from returnn_tpu.returnn_bridge import setup_returnn  # noqa: E402
+from returnn_tpu.patches import setup_returnn  # noqa: E402
 
 SHAPES, FEATURES = ((16, 32), (16, 64), (8, 128)), 9  # (sequences, frames) of the buckets
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

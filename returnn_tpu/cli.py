@@ -183,7 +183,8 @@ def train(filename: str, overrides: List[str]) -> int:
         from returnn_tpu.faults import Stopped
         from returnn_tpu.launcher import STOP_SIGNALS
         from returnn_tpu.optimizers import optimizer_from_config
-        from returnn_tpu.returnn_bridge import check_xla_compatible, setup_returnn
+        from returnn_tpu.patches import setup_returnn
+        from returnn_tpu.returnn_bridge import check_xla_compatible
         from returnn_tpu.session_options import apply_session_options
         from returnn_tpu.startup import check_classes, select_backend, use_persistent_xla_cache
         from returnn_tpu.trainer import Trainer

@@ -3,8 +3,8 @@
 RETURNN's TF backend is written for TF1 graphs and sessions. This module makes its network
 construction run inside ``strategy.run(step_fn, ...)`` (see FACTS.md):
 
-* :func:`start_returnn` loads the config and sets RETURNN up as its ``rnn.py`` does;
-  :func:`setup_returnn` imports RETURNN's TF code and then turns TF2 behaviour back on.
+* :func:`start_returnn` loads the config and sets RETURNN up as its ``rnn.py`` does (with
+  :func:`returnn_tpu.patches.setup_returnn`, where every patch of TensorFlow and RETURNN is).
 * :class:`VariableCache` creates each ``tf.compat.v1.get_variable`` once (as a distributed
   variable when a strategy scope is active) and hands the same object to every later trace.
 * :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data,
@@ -17,102 +17,14 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import os
-import threading
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
 from returnn_tpu.data import size_key
 from returnn_tpu.errors import ConfigError
-
-_RETURNN_READY = False
-
-
-def setup_returnn():
-    """Imports RETURNN's TF backend and restores the TF2 settings it turns off. Idempotent.
-
-    Process-wide, independent of any config (the config's part is :func:`start_returnn`):
-
-    * Native ops are built without CUDA when TensorFlow has no GPU support (FACTS.md, "Native ops").
-    * ``returnn.tf.compat`` disables eager execution, v2 shapes and control flow v2; RETURNN keeps
-      tensors and variables in sets and dict keys, so tensor equality goes off (FACTS.md, "TF2 mode").
-    * ``NativeLstm2`` calls ``set_shape`` on its weights; distributed variables refuse that, so
-      they get a ``set_shape`` that checks the shape is compatible (FACTS.md, "set_shape").
-    """
-    global _RETURNN_READY
-    if _RETURNN_READY:
-        return
-    if not tf.test.is_built_with_cuda():
-        os.environ.setdefault("DISABLE_CUDA", "1")
-    import returnn.tf.compat  # noqa: F401  (side effects undone below)
-    from tensorflow.python.distribute import values as tf_values
-
-    tf.compat.v1.enable_eager_execution()
-    tf.compat.v1.enable_v2_tensorshape()
-    tf.compat.v1.enable_control_flow_v2()
-    tf.compat.v1.disable_tensor_equality()
-
-    def set_shape_if_compatible(self, shape):
-        if not self.shape.is_compatible_with(shape):
-            raise ValueError(f"variable {self.name} has shape {self.shape}, not compatible with {shape}")
-
-    tf_values.DistributedVariable.set_shape = set_shape_if_compatible
-    _make_returnn_gradients_tape_aware()
-    _make_the_trace_returnns_root_graph()
-    _route_stateful_random_ops()
-    _RETURNN_READY = True
-
-
-def _make_the_trace_returnns_root_graph():
-    """RETURNN's "outside of every loop" is the trace, not the graph the trace was started from.
-
-    RETURNN builds what must not depend on a loop iteration (dropout masks of a fully static noise
-    shape, weight noise, the LSTM cells' initial states, its random generator) in its *root graph*,
-    which with control flow v2 it finds by leaving every function graph. In a TF1 graph that is the
-    network's graph; in a ``tf.function`` it is the graph outside the trace, whose tensors the trace
-    cannot use ("out of scope"). The root is now the innermost graph that is not a loop or branch
-    body: the trace itself, as the TF1 graph was (FACTS.md, "RETURNN's root graph").
-
-    RETURNN's random generator (weight noise, stateless dropout) is a variable it creates in that
-    root graph; here each replica's network build gets a :class:`StepRandomSource` instead. A layer
-    whose parameter is such a noisy tensor finds its variable again by the variable's handle, which
-    in a trace is the handle's capture.
-    """
-    from returnn.tf.util import basic as tf_util
-    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
-
-    get_root_graph = tf_util.get_root_graph
-
-    def root_graph_of_the_trace(graph=None):
-        graph = graph if graph is not None else tf.compat.v1.get_default_graph()
-        while isinstance(graph, ControlFlowFuncGraph):
-            graph = graph.outer_graph
-        return graph if graph.building_function else get_root_graph(graph)
-
-    tf_util.get_root_graph = root_graph_of_the_trace
-    get_global_random_generator = tf_util.get_global_random_generator
-
-    def replica_random_generator(*, create: bool = True):
-        generator = getattr(_BUILDING, "random_generator", None)
-        return generator if generator is not None else get_global_random_generator(create=create)
-
-    tf_util.get_global_random_generator = replica_random_generator
-    var_handle_or_ref = tf_util.var_handle_or_ref
-
-    def var_handle_in_the_trace(var):
-        # A layer whose parameter is a tensor (weight noise, weight dropout) finds its variable by
-        # walking back to the variable's handle; in a trace that is the handle's capture.
-        graph = tf_util.get_root_graph()
-        if graph.building_function:
-            return graph.capture(var.handle)
-        return var_handle_or_ref(var)
-
-    tf_util.var_handle_or_ref = var_handle_in_the_trace
-
-
-_BUILDING = threading.local()  # the random source of the network being built (on this replica's thread)
-
+from returnn_tpu.patches import SharedBuildUnsupported, drawing_from, fresh_tf1_state, random_ops_keyed_by
+from returnn_tpu.patches import setup_returnn
 
 class StepRandomSource:
     """What RETURNN's random generator gives its ``StatelessRandomSeed``, without a state variable.
@@ -137,11 +49,6 @@ class StepRandomSource:
         return tf.reshape(tf.bitcast(tf.cast(self.seed, tf.int64), tf.uint64), [1]), counter
 
 
-class SharedBuildUnsupported(Exception):
-    """The network cannot be built once for all replicas (a random op without a stateless form,
-    a parameter the first build did not create); each replica builds its own instead."""
-
-
 @dataclasses.dataclass
 class SharedBuild:
     """The inputs of a network build that all local replicas share (a function traced once and
@@ -154,164 +61,6 @@ class SharedBuild:
 
     variables: Dict[str, tf.Variable]
     replica_seed: tf.Tensor
-
-
-def variables_over_handles(handles: List[tf.Tensor], like: List[tf.Variable]) -> List[tf.Variable]:
-    """Variables that read and write through ``handles`` (a function's resource inputs), each with
-    the name, shape, dtype and trainability of its counterpart in ``like``."""
-    from tensorflow.python.ops import resource_variable_ops
-
-    return [
-        resource_variable_ops.BaseResourceVariable(
-            # The name without its ":0", which the variable adds (RETURNN keys a layer's params by it).
-            trainable=var.trainable, shape=var.shape, dtype=var.dtype, handle=handle,
-            handle_name=var.name.rsplit(":", 1)[0], unique_id=f"shared_{var.name}", in_graph_mode=False,
-        )
-        for handle, var in zip(handles, like)
-    ]
-
-
-@contextlib.contextmanager
-def _random_ops_keyed_by(replica_seed: tf.Tensor, step) -> Iterator[None]:
-    """TensorFlow's stateful random ops, while a shared build runs on this thread, become stateless
-    ones keyed by (replica seed, op index, update step, and the iteration of every enclosing
-    while loop), so that the replicas calling one traced function draw different numbers, each op
-    new ones per update and loop iteration (FACTS.md, "One trace for all replicas")."""
-    from tensorflow.python.ops import gen_stateless_random_ops
-    from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph, WhileBodyFuncGraph
-
-    step = tf.zeros([], tf.int64) if step is None else tf.cast(tf.convert_to_tensor(step), tf.int64)
-    ops_made = [0]
-
-    def next_key():
-        ops_made[0] += 1
-        key = tf.stack([tf.cast(replica_seed, tf.int64), tf.constant(ops_made[0], tf.int64)])
-        key = tf.random.experimental.stateless_fold_in(key, step)
-        graph = tf.compat.v1.get_default_graph()
-        while isinstance(graph, ControlFlowFuncGraph):
-            if isinstance(graph, WhileBodyFuncGraph):  # its first input counts the iterations
-                key = tf.random.experimental.stateless_fold_in(key, tf.cast(graph.inputs[0], tf.int64))
-            graph = graph.outer_graph
-        return key
-
-    # The stateful ops' arguments; their seed attributes are replaced by the key.
-    def uniform(shape, dtype, seed=0, seed2=0, name=None):
-        return gen_stateless_random_ops.stateless_random_uniform(shape, next_key(), dtype=dtype, name=name)
-
-    def normal(shape, dtype, seed=0, seed2=0, name=None):
-        return gen_stateless_random_ops.stateless_random_normal(shape, next_key(), dtype=dtype, name=name)
-
-    def truncated(shape, dtype, seed=0, seed2=0, name=None):
-        return gen_stateless_random_ops.stateless_truncated_normal(shape, next_key(), dtype=dtype, name=name)
-
-    def uniform_int(shape, minval, maxval, seed=0, seed2=0, name=None):
-        return gen_stateless_random_ops.stateless_random_uniform_int(shape, next_key(), minval, maxval, name=name)
-
-    def multinomial(logits, num_samples, seed=0, seed2=0, output_dtype=tf.int64, name=None):
-        return gen_stateless_random_ops.stateless_multinomial(logits, num_samples, next_key(), output_dtype, name=name)
-
-    def refuse(op_name):
-        def unsupported(*args, **kwargs):
-            raise SharedBuildUnsupported(f"the network uses TensorFlow's {op_name}, which has no stateless form")
-        return unsupported
-
-    stateless = (uniform, normal, truncated, uniform_int, multinomial)
-    _SHARED_RANDOM.ops = {**dict(zip(_STATEFUL_WITH_STATELESS, stateless)),
-                          **{name: refuse(name) for name in _STATEFUL_WITHOUT_STATELESS}}
-    try:
-        yield
-    finally:
-        _SHARED_RANDOM.ops = None
-
-
-# TensorFlow's stateful random ops (gen_random_ops), with a stateless form and without.
-_STATEFUL_WITH_STATELESS = ("random_uniform", "random_standard_normal", "truncated_normal", "random_uniform_int",
-                            "multinomial")
-_STATEFUL_WITHOUT_STATELESS = ("random_shuffle", "random_gamma", "random_poisson", "random_poisson_v2",
-                               "parameterized_truncated_normal")
-_SHARED_RANDOM = threading.local()  # the stateless replacements while a shared build runs on this thread
-
-
-def _route_stateful_random_ops():
-    """TensorFlow's stateful random ops go to :func:`_random_ops_keyed_by`'s replacements while a
-    shared build runs on the calling thread, else to TensorFlow's own (process-wide, once)."""
-    from tensorflow.python.ops import gen_random_ops
-
-    for name in _STATEFUL_WITH_STATELESS + _STATEFUL_WITHOUT_STATELESS:
-        original = getattr(gen_random_ops, name)
-
-        def routed(*args, _name=name, _original=original, **kwargs):
-            ops = getattr(_SHARED_RANDOM, "ops", None)
-            return _original(*args, **kwargs) if ops is None else ops[_name](*args, **kwargs)
-
-        setattr(gen_random_ops, name, routed)
-
-
-def _make_returnn_gradients_tape_aware():
-    """RETURNN's three ways of defining gradients, made visible to a ``tf.GradientTape``.
-
-    RETURNN builds graphs for ``tf.gradients``; under a tape in a ``tf.function`` (FACTS.md,
-    "Gradients under a tape") each of these silently gave no gradient or the default one:
-
-    * ``gradient_override_map`` (``safe_log``'s identity gradient, scaled gradients, ...): the tape
-      looked up the op's type, not its override. Ops are now recorded under their override.
-    * ``copy_op`` (``safe_log`` on a softmax becomes a log-softmax this way) created ops the tape
-      never saw. They are now recorded.
-    * ``CustomGradient.register`` (native CTC, synthetic gradients, ...) wraps a TF1 ``Defun``,
-      whose gradient function the tape never calls. It is now a ``tf.custom_gradient`` with the
-      same forward and gradient functions.
-    """
-    import types
-
-    from returnn.tf.util import basic as tf_util
-    from tensorflow.python.eager import execute
-
-    record_gradient = execute.record_gradient
-
-    def record_gradient_under_override(op_name, inputs, attrs, outputs):
-        if outputs and not tf.executing_eagerly():
-            try:
-                op_name = outputs[0].op.get_attr("_gradient_op_type").decode()
-            except (ValueError, AttributeError):
-                pass
-        return record_gradient(op_name, inputs, attrs, outputs)
-
-    execute.record_gradient = record_gradient_under_override
-
-    copy_op = tf_util.copy_op
-
-    def copy_op_on_tape(op, **kwargs):
-        new_op = copy_op(op, **kwargs)
-        if new_op.type not in tf_util._copy_op_simple_math_unary_funcs and execute.must_record_gradient():
-            attrs = []
-            for name in new_op.node_def.attr:
-                attrs += [name, new_op.get_attr(name)]
-            execute.record_gradient(new_op.type, list(new_op.inputs), tuple(attrs), list(new_op.outputs))
-        return new_op
-
-    tf_util.copy_op = copy_op_on_tape
-
-    def register(self, input_types, op, grad_op, name=None):
-        del self, name  # no graph-level registration: tf.custom_gradient needs none
-
-        def op_with_new_grad(*inputs):
-            inputs = [tf.convert_to_tensor(x, dtype=dtype) for x, dtype in zip(inputs, input_types)]
-
-            @tf.custom_gradient
-            def forward(*xs):
-                y = op(*xs)
-
-                def backward(*grads):
-                    in_grads = grad_op(types.SimpleNamespace(inputs=list(xs), outputs=[y]), *grads)
-                    return list(in_grads) if isinstance(in_grads, (list, tuple)) else [in_grads]
-
-                return y, backward
-
-            return forward(*inputs)
-
-        return op_with_new_grad
-
-    tf_util.CustomGradient.register = register
 
 
 def start_returnn(config_filename: str, overrides: List[str]):
@@ -448,36 +197,6 @@ def carry_over(variables: VariableCache, copy_param_mode: Optional[str], first_c
               file=log_file)
         new.assign(tf_util.copy_with_new_split_axes(old_splits, split_info, old_values, new_values))
     variables.replaced = {}
-
-
-@contextlib.contextmanager
-def fresh_tf1_state() -> Iterator[None]:
-    """A fresh v1 variable store, empty variable collections and a root variable scope without a
-    custom getter, for one network build.
-
-    FuncGraphs share the store and the collections with the outer graph by reference (FACTS.md,
-    "Shared TF1 state"); without this, a second network (the next replica, or the eval net)
-    would see the first one's variables. A strategy's scope puts its own custom getter on the
-    variable scope, which RETURNN's ``reuse_params`` getters cannot be composed with (FACTS.md,
-    "Custom getters"); variables still go through the strategy's variable creator.
-    """
-    from tensorflow.python.ops import variable_scope
-
-    graph = tf.compat.v1.get_default_graph()
-    keys = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES]
-    saved = {key: list(graph.get_collection(key)) for key in keys}
-    for key in keys:
-        graph.get_collection_ref(key)[:] = []
-    root_scope = copy.copy(variable_scope.get_variable_scope())
-    root_scope.set_custom_getter(None)
-    try:
-        with variable_scope.with_variable_store(variable_scope._VariableStore()), variable_scope.variable_scope(
-            root_scope, auxiliary_name_scope=False
-        ):
-            yield
-    finally:
-        for key in keys:
-            graph.get_collection_ref(key)[:] = saved[key]
 
 
 @contextlib.contextmanager
@@ -693,9 +412,9 @@ class NetworkBuilder:
             extern_data.init_batch_info()
         seed = shared.replica_seed if shared else self.replica_seed(replica_id)
         creator = functools.partial(self.variables.lend, shared.variables) if shared else self.variables.creator
-        random_ops = _random_ops_keyed_by(seed, global_step) if shared else contextlib.nullcontext()
+        random_ops = random_ops_keyed_by(seed, global_step) if shared else contextlib.nullcontext()
         with fresh_tf1_state(), tf.variable_creator_scope(creator), _layer_templates_unlogged(), \
-                _drawing_from(StepRandomSource(seed, global_step)), random_ops:
+                drawing_from(StepRandomSource(seed, global_step)), random_ops:
             net = TFNetwork(
                 config=self.config,
                 extern_data=extern_data,
@@ -713,16 +432,6 @@ class NetworkBuilder:
             # RETURNN reads the TRAINABLE_VARIABLES collection here, so ask while it is ours.
             params = sorted((v.name.split(":")[0], v) for v in net.get_trainable_params())
         return net, params
-
-
-@contextlib.contextmanager
-def _drawing_from(random_source: StepRandomSource) -> Iterator[None]:
-    """RETURNN's random generator is ``random_source`` while a network is built on this thread."""
-    _BUILDING.random_generator = random_source
-    try:
-        yield
-    finally:
-        _BUILDING.random_generator = None
 
 
 @contextlib.contextmanager

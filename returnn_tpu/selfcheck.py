@@ -88,7 +88,7 @@ def run_row(strategy: str, options: dict) -> dict:
     from returnn.log import log
 
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.returnn_bridge import setup_returnn
+    from returnn_tpu.patches import setup_returnn
     from returnn_tpu.startup import select_backend
     from returnn_tpu.trainer import Trainer
 

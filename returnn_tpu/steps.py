@@ -27,13 +27,11 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
-from tensorflow.python.distribute.values import DistributedValues
-from tensorflow.python.framework import func_graph
 
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer, StepLearningRate
-from returnn_tpu.returnn_bridge import NetworkBuilder, SharedBuild, SharedBuildUnsupported, loss_metrics
-from returnn_tpu.returnn_bridge import static_replica_id, variables_over_handles, without_summaries
+from returnn_tpu.patches import SharedBuildUnsupported, function_graph, variables_over_handles
+from returnn_tpu.returnn_bridge import NetworkBuilder, SharedBuild, loss_metrics, static_replica_id, without_summaries
 from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step, varying_shapes_spec
 from returnn_tpu.sync import ParameterAveraging, SyncDue, mean_over_all_replicas, mean_within_groups
 from returnn_tpu.sync import split_into_fragments
@@ -140,8 +138,7 @@ class ReplicaSteps:
                 return net.get_objective()
 
         with self.strategy.scope():
-            func_graph.func_graph_from_py_func("returnn_tpu_variables", first_replica_build, None, None,
-                                               signature=[self._signature(first_step[0])])
+            function_graph("returnn_tpu_variables", first_replica_build, [self._signature(first_step[0])])
         self.optimizer.create_state(self.strategy, list(self.trainable().values()))
         if self.accumulators is not None:
             with self.strategy.scope():
@@ -276,7 +273,7 @@ class ReplicaSteps:
         if self.optimizer.step is not None:  # the network's global_train_step (none before the first update)
             variables.append(self.optimizer.step)
         local = static_replica_id() - self.first_replica
-        own = [var.values[local] if isinstance(var, DistributedValues) else var for var in variables]
+        own = [var.values[local] if isinstance(var, tf.distribute.DistributedValues) else var for var in variables]
         args = (batch, tf.constant(self.builder.replica_seed(static_replica_id()), tf.int64),
                 [var.handle for var in own])
         with self._shared_lock:

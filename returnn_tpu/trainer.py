@@ -213,6 +213,12 @@ class Trainer:
                 "every worker must run the same config"
             )
 
+    def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
+        """Every parameter of the network (RETURNN names) as its value on each of this worker's
+        replicas (read back to the host)."""
+        return {name: [copy.numpy() for copy in self.strategy.experimental_local_results(var)]
+                for name, var in self.builder.variables.by_name.items()}
+
     def first_copy(self, var: tf.Variable) -> numpy.ndarray:
         """The value of this worker's first replica's copy of ``var``."""
         return self.strategy.experimental_local_results(var)[0].numpy()

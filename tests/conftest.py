@@ -14,7 +14,7 @@ tf.config.set_logical_device_configuration(
 )
 assert len(tf.config.list_logical_devices("CPU")) == NUM_LOGICAL_CPUS  # initialises TF: fixed from here on
 
-from returnn_tpu.returnn_bridge import setup_returnn  # noqa: E402
+from returnn_tpu.patches import setup_returnn  # noqa: E402
 
 setup_returnn()
 

@@ -6,7 +6,7 @@ import numpy
 import pytest
 import tensorflow as tf
 
-from conftest import make_trainer, random_step_batches, replica_values
+from conftest import make_trainer, random_step_batches
 
 FEED_FORWARD = {
     "hidden": {"class": "linear", "activation": "tanh", "n_out": 16, "from": "data"},
@@ -32,7 +32,7 @@ def _final_params(tmp_path, network, strategy, steps, seed, **options):
     rng = numpy.random.RandomState(seed)
     for _ in range(steps):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
-    return trainer, {name: replica_values(trainer.strategy, v) for name, v in trainer.builder.variables.by_name.items()}
+    return trainer, trainer.parameter_copies()
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_without_sync_the_result_differs_from_mirrored(tmp_path):
 
 def test_copies_differ_between_syncs_and_agree_after(tmp_path, rng):
     trainer = make_trainer(tmp_path, FEED_FORWARD, distribute_options={"param_sync_step": 5})
-    weights = lambda: replica_values(trainer.strategy, trainer.builder.variables.by_name["hidden/W"])  # noqa: E731
+    weights = lambda: trainer.parameter_copies()["hidden/W"]  # noqa: E731
     for _ in range(3):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
     after_3 = weights()

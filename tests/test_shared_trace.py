@@ -6,7 +6,7 @@ import numpy
 import pytest
 import tensorflow as tf
 
-from conftest import make_trainer, random_step_batches, replica_values
+from conftest import make_trainer, random_step_batches
 
 LSTM = {  # with a layer that shares another's parameters (RETURNN finds them by name)
     "l": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"},
@@ -33,7 +33,7 @@ def train_and_read(trainer, steps=4):
     rng = numpy.random.RandomState(5)
     for _ in range(steps):
         trainer.train_step(random_step_batches(rng, 4), 0.1)
-    return {name: replica_values(trainer.strategy, var) for name, var in trainer.builder.variables.by_name.items()}
+    return trainer.parameter_copies()
 
 
 @pytest.mark.parametrize("strategy,options", [("local_sgd", {"param_sync_step": 3}), ("mirrored", {})])
@@ -72,7 +72,7 @@ def test_a_network_change_builds_twice_for_four_replicas(tmp_path):
     trainer.use_network_of_epoch(2)
     trainer.train_step(random_step_batches(rng, 4), 0.1)
     assert len(builds) == 2  # the new variables, and the train step's one trace
-    assert "l2/W" in trainer.builder.variables.by_name
+    assert "l2/W" in trainer.parameter_copies()
 
 
 def test_a_random_op_without_a_stateless_form_gives_each_replica_its_own_trace(tmp_path):

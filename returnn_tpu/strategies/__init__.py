@@ -30,18 +30,23 @@ __all__ = [
 ]
 
 
-_COLLECTIVE_KEY_BASES = itertools.count(start=100_000, step=100_000)  # 0 is the default of strategies made elsewhere
+_STRATEGIES_MADE = itertools.count()  # by this process, through make_strategy
 
 
 def _with_own_collective_keys(cls, *args, **kwargs):
     """``cls(*args)`` with collective keys no other strategy of this process uses.
 
-    Mirrored strategies number their collective instances from ``_collective_key_base``; two
-    strategies in one process (tests, a sync and an eval run) would otherwise reuse the keys and
-    TensorFlow would match up unrelated all-reduces (FACTS.md, "Collective keys").
+    Mirrored strategies number their collective instances from ``_collective_key_base``, which
+    TensorFlow means to be set in tests only; two strategies in one process would reuse the keys
+    and TensorFlow would match up unrelated all-reduces (FACTS.md, "Collective keys"). A training
+    run makes one strategy, which keeps TensorFlow's numbering; a process that makes more (the
+    tests, ``--check``, benchmarks) gives each later one a base of its own.
     """
+    made_before = next(_STRATEGIES_MADE)
+    if made_before == 0:
+        return cls(*args, **kwargs)
     strategy = cls.__new__(cls)
-    strategy._collective_key_base = next(_COLLECTIVE_KEY_BASES)
+    strategy._collective_key_base = made_before * 100_000
     strategy.__init__(*args, **kwargs)
     return strategy
 
@@ -103,6 +108,14 @@ def varying_shapes_spec(batches):
         return tf.TensorSpec([None] * min(2, shape.rank) + shape.as_list()[2:], tf.as_dtype(value.dtype))
 
     return tf.nest.map_structure(spec, batches)
+
+
+def per_replica(values: list):
+    """In cross-replica context (a ``merge_call``): the per-replica value whose component on each
+    local replica is the tensor of ``values`` at its index (already on that replica's device)."""
+    from tensorflow.python.distribute import values as values_lib
+
+    return values_lib.PerReplica(tuple(values))
 
 
 def distribute_local_values(strategy: tf.distribute.Strategy, values: list, first_replica: int = 0):

@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as tf_values
+
+from returnn_tpu.strategies import per_replica
 
 Collective = Callable[[List[tf.Tensor]], List[tf.Tensor]]
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
@@ -51,11 +52,11 @@ def mean_within_groups(group_size: int) -> Collective:
         means = []
         for value in values:
             copies = strategy.experimental_local_results(value)
-            per_replica = []
+            copies_per_replica = []
             for start in range(0, len(copies), group_size):
                 group = copies[start : start + group_size]
-                per_replica += [tf.add_n(group) / len(group)] * len(group)
-            means.append(tf_values.PerReplica(tuple(per_replica)))
+                copies_per_replica += [tf.add_n(group) / len(group)] * len(group)
+            means.append(per_replica(copies_per_replica))
         return means
 
     def collective(values: List[tf.Tensor]) -> List[tf.Tensor]:
