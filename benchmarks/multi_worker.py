@@ -41,18 +41,15 @@ def worker_main(args):
 
     from returnn_tpu.cluster import resolve_cluster
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.patches import setup_returnn
+    from returnn_tpu.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
     # One core per worker: the machine's cores are shared out, so "one worker alone, x2" is a
     # limit two workers can reach without communication.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    setup_returnn()
-    from returnn.config import Config, set_global_config
-
     hidden = {"class": "linear", "activation": "relu", "n_out": args.hidden}
-    config = Config(
+    config = in_process_config(
         {
             "task": "train",
             "train": {"class": "Task12AXDataset", "num_seqs": 4},
@@ -70,7 +67,6 @@ def worker_main(args):
             "log_verbosity": 0,
         }
     )
-    set_global_config(config)
     options = DistributeOptions(strategy=args.strategy, param_sync_step=args.sync_step, startup_timeout=120)
     cluster = resolve_cluster("auto") if args.strategy != "single" else None
     trainer = Trainer(config, options, cluster)

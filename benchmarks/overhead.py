@@ -42,9 +42,9 @@ def network(unit: str) -> dict:
 
 
 def make_config(unit: str, model_dir: str):
-    from returnn.config import Config, set_global_config
+    from returnn_tpu.returnn_bridge import in_process_config
 
-    config = Config(
+    return in_process_config(
         {
             "task": "train",
             "train": {"class": "Task12AXDataset", "num_seqs": 10},
@@ -57,8 +57,6 @@ def make_config(unit: str, model_dir: str):
             "log_verbosity": 0,
         }
     )
-    set_global_config(config)
-    return config
 
 
 def make_batches(count: int):

@@ -66,9 +66,8 @@ def networks(units: int) -> dict:
 
 def make_trainer(network, jit: bool, model_dir: str, shapes=SHAPES):
     """A one-device trainer of ``network`` in this process, with or without ``jit_compile``."""
-    from returnn.config import Config, set_global_config
-
     from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
     values = {
@@ -82,8 +81,7 @@ def make_trainer(network, jit: bool, model_dir: str, shapes=SHAPES):
         "log": [],
         "log_verbosity": 0,
     }
-    config = Config(values)
-    set_global_config(config)
+    config = in_process_config(values)
     boundaries = tuple(sorted({frames for _, frames in shapes}))
     return Trainer(config, DistributeOptions(strategy="single", jit_compile=jit, bucket_boundaries=boundaries))
 

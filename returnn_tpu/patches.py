@@ -32,8 +32,7 @@ _RETURNN_READY = False
 def setup_returnn():
     """Imports RETURNN's TF backend and restores the TF2 settings it turns off. Idempotent.
 
-    Process-wide, independent of any config (the config's part is
-    :func:`returnn_tpu.returnn_bridge.start_returnn`):
+    Process-wide, independent of any config:
 
     * Native ops are built without CUDA when TensorFlow has no GPU support (FACTS.md, "Native ops").
     * ``returnn.tf.compat`` disables eager execution, v2 shapes and control flow v2; RETURNN keeps

@@ -3,8 +3,9 @@
 RETURNN's TF backend is written for TF1 graphs and sessions. This module makes its network
 construction run inside ``strategy.run(step_fn, ...)`` (see FACTS.md):
 
-* :func:`start_returnn` loads the config and sets RETURNN up as its ``rnn.py`` does (with
-  :func:`returnn_tpu.patches.setup_returnn`, where every patch of TensorFlow and RETURNN is).
+* :func:`in_process_config` starts RETURNN for a config made in this process, as the command
+  line starts it for a file (with :func:`returnn_tpu.patches.setup_returnn`, where every patch
+  of TensorFlow and RETURNN is).
 * :class:`VariableCache` creates each ``tf.compat.v1.get_variable`` once (as a distributed
   variable when a strategy scope is active) and hands the same object to every later trace.
 * :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data,
@@ -63,14 +64,21 @@ class SharedBuild:
     replica_seed: tf.Tensor
 
 
-def start_returnn(config_filename: str, overrides: List[str]):
-    """Loads the config as RETURNN's ``rnn.py`` does (:func:`returnn_tpu.startup.load_config`)
-    and sets RETURNN up for TF2 (:func:`setup_returnn`). Nothing is written. Returns the config."""
-    from returnn_tpu.startup import load_config, select_backend
+def in_process_config(values: Mapping[str, Any]):
+    """A RETURNN ``Config`` of ``values`` for a trainer made in this process (tests, ``--check``,
+    benchmarks), with RETURNN started as the command line starts it for a config file: its TF code
+    set up (:func:`returnn_tpu.patches.setup_returnn`), the config global, its backend selected
+    (:func:`returnn_tpu.startup.select_backend`), RETURNN's log to no file and silent."""
+    from returnn.config import Config, set_global_config
+    from returnn.log import log
 
-    config = load_config(config_filename, overrides)
+    from returnn_tpu.startup import select_backend
+
+    setup_returnn()  # before RETURNN's config module turns eager execution off
+    config = Config(dict(values))
+    set_global_config(config)
     select_backend(config)
-    setup_returnn()
+    log.initialize(logs=[], verbosity=[0])
     return config
 
 

@@ -84,20 +84,12 @@ def _gpu_count() -> int:
 def run_row(strategy: str, options: dict) -> dict:
     """In this (fresh) process: STEPS train steps of the tiny network, then a sync; the figures."""
     import numpy
-    from returnn.config import Config, set_global_config
-    from returnn.log import log
-
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.patches import setup_returnn
-    from returnn_tpu.startup import select_backend
+    from returnn_tpu.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
-    setup_returnn()  # before RETURNN's config module turns eager execution off
     folder = tempfile.mkdtemp(prefix="returnn_tpu_check_")
-    config = Config(dict(TINY_CONFIG, model=os.path.join(folder, "model"), log=[], log_verbosity=0))
-    set_global_config(config)
-    select_backend(config)
-    log.initialize(logs=[], verbosity=[0])
+    config = in_process_config(dict(TINY_CONFIG, model=os.path.join(folder, "model"), log=[], log_verbosity=0))
     trainer = Trainer(config, DistributeOptions.from_config_values(strategy, options))
     trainer.use_network_of_epoch(1)
     times = []

@@ -20,7 +20,7 @@ setup_returnn()
 
 from returnn.util.basic import BackendEngine  # noqa: E402
 
-BackendEngine.select_engine(engine=BackendEngine.TensorFlowNetDict)  # as start_returnn does for the CLI
+BackendEngine.select_engine(engine=BackendEngine.TensorFlowNetDict)  # for tests that build without a trainer
 
 from returnn.log import log  # noqa: E402
 
@@ -31,9 +31,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **config_values):
     """A Trainer for the 12AX task (9 inputs, 2 classes), with checkpoints under tmp_path."""
-    from returnn.config import Config, set_global_config
-
     from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
     values = {
@@ -53,8 +52,7 @@ def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **c
     }
     values.update(config_values)
     options = values.pop("distribute_options", {})
-    config = Config(values)
-    set_global_config(config)
+    config = in_process_config(values)
     return Trainer(config, DistributeOptions(strategy=strategy, num_replicas=num_replicas, **options))
 
 
