@@ -65,10 +65,14 @@ class Trainer:
         self.networks = EpochNetworks(config)
         self.builder = NetworkBuilder(config, net_dict=self.networks.net_dict(1))
         self.optimizer = optimizer_from_config(config)
-        self.accum_grad_steps = max(1, config.int("accum_grad_multiple_step", 1))
-        self.micro_steps = 0  # RETURNN's global train step: batches trained on, also within accumulation
+        # Two counts: batches (RETURNN's global train step, what `dynamic_learning_rate` and the
+        # learning_rate_file's global_train_step see) and updates (the optimizer's step, what
+        # param_sync_step and the checkpoint's global_step count); they differ with
+        # accum_grad_multiple_step, which makes one update of every batches_per_update batches.
+        self.batches_per_update = max(1, config.int("accum_grad_multiple_step", 1))
+        self.batches_trained = 0
         self.steps = self._replica_steps()
-        if self.steps.in_step and self.accum_grad_steps > 1:
+        if self.steps.in_step and self.batches_per_update > 1:
             raise ConfigError(
                 f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
                 "inside the compiled step); use 'local_sgd' or 'mirrored'"
@@ -113,7 +117,7 @@ class Trainer:
             num_fragments=self.options.sync_fragments,
             gradients=GradientOptions.from_config(self.config),
             step_learning_rate=StepLearningRate.from_config(self.config),
-            accumulate=self.accum_grad_steps > 1,
+            accumulate=self.batches_per_update > 1,
             worker_index=self.cluster.worker_index,
         )
 
@@ -195,7 +199,7 @@ class Trainer:
         if self._resume_prefix:
             self.checkpoints.restore(self._resume_prefix)
             self._resume_prefix = None
-            self.micro_steps = int(self.optimizer.step.numpy()) * self.accum_grad_steps
+            self.batches_trained = int(self.optimizer.step.numpy()) * self.batches_per_update
             self._resume_epoch = 0
         self.syncs.at_network_start(self.steps)
 
@@ -325,11 +329,11 @@ class Trainer:
             build_start = time.perf_counter()
             self._build(step_batches)
             stats.trace_seconds += time.perf_counter() - build_start
-            if self.micro_steps == 0:
+            if self.batches_trained == 0:
                 self.checkpoints.save_initial()
         stats.steps += 1
-        self.micro_steps += 1
-        if self.micro_steps % self.accum_grad_steps:  # RETURNN applies on every N-th global step
+        self.batches_trained += 1
+        if self.batches_trained % self.batches_per_update:  # RETURNN applies on every N-th global step
             return self.steps.accumulate(step_batches)
         self.learning_rate = learning_rate
         due = self.syncs.due()
@@ -385,7 +389,7 @@ class Trainer:
             print(xla.log_line(epoch, figures, self.data.bucket_boundaries), file=self.log.v2)
         self.report.record(epoch, self.epoch_name(epoch), scores, dev_results, stats, learning_rate,
                            global_step=int(self.optimizer.step.numpy()),
-                           first_global_step=self.micro_steps - stats.steps, extra=figures)
+                           first_global_step=self.batches_trained - stats.steps, extra=figures)
         # The checkpoint last: a run resumes after the newest checkpoint, so an epoch whose dev
         # evaluation or record failed (a dataset that raises, a full disk) is trained again, and
         # learning_rate_file and metrics.jsonl never miss an epoch that has a checkpoint.
