@@ -66,6 +66,15 @@ class ProducerError(RuntimeError):
     """The dataset producer failed or died."""
 
 
+def expect(message: tuple, kind: str, what: str) -> tuple:
+    """The fields of ``message`` (a ``(kind, *fields)`` tuple of the protocol), which must be of
+    ``kind``; else a :class:`ProducerError` naming what came instead of ``what``."""
+    if not message or message[0] != kind:
+        raise ProducerError(f"the data producer's protocol is out of step: {message[:1]!r} came where {kind!r} "
+                            f"({what}) was due")
+    return tuple(message[1:])
+
+
 def _is_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal (Linux's process state ``T``)."""
     try:
@@ -111,8 +120,7 @@ class DataProducer:
 
     def port(self) -> int:
         """With ``serve``: the port the producer listens on for the other workers."""
-        kind, port = self.receive(what="the port it listens on")
-        assert kind == "listening", kind
+        (port,) = expect(self.receive(what="the port it listens on"), "listening", "the port it listens on")
         return port
 
     def epoch(self, *, epoch: int, batching, data_keys: Sequence[str], templates: dict, recurrent: bool,
@@ -125,8 +133,8 @@ class DataProducer:
         self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), templates=templates,
                                 recurrent=recurrent, train=train, slots=slots, num_slots=num_slots,
                                 pad_last=pad_last))
-        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists", while_waiting=while_waiting)
-        assert kind == "steps", kind
+        what = f"epoch {epoch}'s batch lists"
+        num_steps, making_seconds = expect(self.receive(what=what, while_waiting=while_waiting), "steps", what)
         return ProducedEpoch(self, num_steps, batching, making_seconds)
 
     # What ProducedEpoch needs of a producer (RemoteProducer has the same).
@@ -221,8 +229,7 @@ class ProducedEpoch:
                     raise ProducerError(f"the data producer ended the epoch after {step} of {self.num_steps} "
                                         "steps: another worker stopped")
                 yield producer.unpack(message), message[3]
-            kind, counters = producer.receive(what="the end of the epoch")
-            assert kind == "end", kind
+            (counters,) = expect(producer.receive(what="the end of the epoch"), "end", "the end of the epoch")
             self.batching.add_counters(counters)
             finished = True
         finally:
@@ -265,8 +272,8 @@ class RemoteProducer:
               **_request) -> ProducedEpoch:
         """Epoch ``epoch``'s batches for this worker (worker 0 asks for all workers' batches)."""
         self.send("epoch", epoch)
-        kind, num_steps, making_seconds = self.receive(what=f"epoch {epoch}'s batch lists", while_waiting=while_waiting)
-        assert kind == "steps", kind
+        what = f"epoch {epoch}'s batch lists"
+        num_steps, making_seconds = expect(self.receive(what=what, while_waiting=while_waiting), "steps", what)
         return ProducedEpoch(self, num_steps, batching, making_seconds)
 
     def send(self, kind: str, payload):
@@ -631,8 +638,7 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
     results.put(("steps", batches.num_steps, batches.making_seconds))
     for worker in others:
         workers.send(worker, ("steps", batches.num_steps, batches.making_seconds))
-    kind, (first_step, num_steps) = commands.recv()
-    assert kind == "go", kind
+    ((first_step, num_steps),) = expect(commands.recv(), "go", "the steps to make")
     for worker in others:
         if workers.receive(worker, "go") != (first_step, num_steps):
             raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
