@@ -32,7 +32,8 @@ from typing import List, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-FIRST_STEP = re.compile(r"epoch \d+, step 0,")  # a train step's line at log_verbosity 5 (an eval's says "eval, step 0")
+# A train step's line at log_verbosity 5 (an eval's says "eval, step 0").
+FIRST_STEP = re.compile(r"epoch \d+, step 0,")
 NETWORK_CHANGE = "reinit because network description differs"
 
 
