@@ -89,8 +89,7 @@ class EpochData:
         # for one its get_data_keys() does not list).
         self.data_keys = list(info.used_data_keys)
         self.recurrent = info.recurrent
-        if not first:
-            self.read_batching_options()
+        if not first:  # the batching options stay; a network's #config changes them (read_batching_options)
             return
         if self.options.jit_compile:
             key = self.extern_data.default_input
