@@ -203,3 +203,22 @@ def test_evaluation_with_xla_on_buckets_equals_plain_evaluation(tmp_path, rng):
     for kind in ("score", "error"):
         for key, value in plain[kind].items():
             assert compiled[kind][key] == pytest.approx(value, rel=1e-4), (kind, key)
+
+
+def test_tpu_strategy_init_names_its_extended_by_the_module_global():
+    """``LocalSGDTPUStrategy`` runs TensorFlow's ``TPUStrategyV2.__init__`` with the module's
+    ``TPUExtended`` bound to its own extended (FACTS.md, "TPUStrategy's extended"): that works only
+    while ``__init__`` makes the extended by that global name, and restores the name after."""
+    import inspect
+
+    from tensorflow.python.distribute import tpu_strategy
+
+    from returnn_tpu.strategies.tpu import LocalSGDTPUExtended, _tpu_strategies_make
+
+    source = inspect.getsource(tpu_strategy.TPUStrategyV2.__init__)
+    assert "TPUExtended(" in source and "_enable_packed_variable_in_eager_mode = True" in source
+    assert "TPUExtended" in tpu_strategy.TPUStrategyV2.__init__.__code__.co_names  # a global, not a local
+    made = tpu_strategy.TPUExtended
+    with _tpu_strategies_make(LocalSGDTPUExtended):
+        assert tpu_strategy.TPUExtended is LocalSGDTPUExtended
+    assert tpu_strategy.TPUExtended is made

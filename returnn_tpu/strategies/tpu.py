@@ -11,6 +11,7 @@ no TPU is found; the in-step sync logic, with ``LocalSGDStrategy(in_step_sync=Tr
 
 from __future__ import annotations
 
+import contextlib
 import glob
 from typing import Optional
 
@@ -54,11 +55,28 @@ class LocalSGDTPUExtended(LocalSGDExtendedMixin, tpu_strategy.TPUExtended):
     in_step_sync = True
 
 
+@contextlib.contextmanager
+def _tpu_strategies_make(extended_class):
+    """While in it, ``TPUStrategyV2.__init__`` makes its extended of ``extended_class``: it names
+    the class by the module's global ``TPUExtended`` (FACTS.md, "TPUStrategy's extended")."""
+    made = tpu_strategy.TPUExtended
+    tpu_strategy.TPUExtended = extended_class
+    try:
+        yield
+    finally:
+        tpu_strategy.TPUExtended = made
+
+
 class LocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
-    """Local SGD on the cores of a TPU: each core trains its own copy, averaged every N steps."""
+    """Local SGD on the cores of a TPU: each core trains its own copy, averaged every N steps.
+
+    TensorFlow's own ``__init__`` runs, with the local-SGD extended in place of its own, so every
+    setting it makes (packed variables in eager mode, its usage gauges) holds here too.
+    """
 
     def __init__(self, resolver):
-        tf.distribute.Strategy.__init__(self, LocalSGDTPUExtended(self, resolver))  # skip TPUStrategyV2.__init__
+        with _tpu_strategies_make(LocalSGDTPUExtended):
+            super().__init__(resolver)
 
 
 def make_tpu_strategy(name: str) -> tf.distribute.Strategy:
