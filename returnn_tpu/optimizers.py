@@ -122,6 +122,12 @@ class Optimizer:
                 var, self._apply_dense_if, args=(grad, self.slots[var_name(var)], learning_rate, step, apply_if)
             )
 
+    def apply_to_copy(self, copy: tf.Variable, grad: tf.Tensor, slots: Mapping[str, tf.Variable], learning_rate):
+        """This optimizer's rule applied once to one copy of a variable with slots the caller keeps
+        (``slot_names`` -> variable; update context): for rules reused elsewhere, as local SGD's
+        outer optimizers reuse momentum. Rules that need a bias-correction step do not apply."""
+        return self._apply_dense(copy, grad, slots, learning_rate, None)
+
     def _apply_dense_if(self, var, grad, slots, lr, step, apply_if):
         def apply():
             with tf.control_dependencies([self._apply_dense(var, grad, slots, lr, step)]):

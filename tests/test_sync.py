@@ -144,6 +144,45 @@ def test_hierarchical_groups_average_alone_then_all_together():
     assert sync(mean_over_all_replicas) == [1.5, 1.5, 1.5, 1.5]
 
 
+@pytest.mark.parametrize("in_step", [False, True], ids=["host", "in_step"])
+@pytest.mark.parametrize("outer_class", ["nesterov", "slowmo"])
+def test_outer_steps_follow_their_papers_rules(outer_class, in_step):
+    """Three syncs of two replicas' differing copies, against the rules in NumPy: DiLoCo's
+    Nesterov momentum (``m = mu m + g; new = anchor - lr (g + mu m)``) and SlowMo's heavy ball
+    scaled by the inner learning rate (``m = mu m + g / lr_in; new = anchor - lr lr_in m``),
+    ``g = anchor - mean(copies)``."""
+    from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.strategies import make_strategy
+    from returnn_tpu.sync import DiLoCoAveraging, SlowMoAveraging, mean_over_all_replicas
+
+    strategy = make_strategy(DistributeOptions(strategy="local_sgd_tpu", cluster_resolver="local", num_replicas=2)
+                             if in_step else DistributeOptions(strategy="local_sgd", num_replicas=2))
+    outer_lr, mu, inner_lr = 0.7, 0.9, 0.25
+    averaging = (DiLoCoAveraging if outer_class == "nesterov" else SlowMoAveraging)(learning_rate=outer_lr, momentum=mu)
+    with strategy.scope():
+        w = tf.Variable(tf.zeros([3]))
+    averaging.create_state(strategy, {"w": w})
+    sync = tf.function(lambda: strategy.run(lambda: averaging.sync_in_replica(
+        strategy, {"w": w}, mean_over_all_replicas, learning_rate=tf.constant(inner_lr))), autograph=False)
+    rng = numpy.random.RandomState(0)
+    anchor, momentum = numpy.zeros(3, numpy.float32), numpy.zeros(3, numpy.float32)
+    for _ in range(3):
+        copies = [anchor + rng.normal(size=3).astype(numpy.float32) for _ in range(2)]
+        strategy.extended.update(w, lambda copy, value: copy.assign(value), args=(
+            strategy.experimental_distribute_values_from_function(lambda ctx: copies[ctx.replica_id_in_sync_group]),))
+        sync()
+        g = anchor - numpy.mean(copies, axis=0)
+        if outer_class == "nesterov":
+            momentum = mu * momentum + g
+            anchor = anchor - outer_lr * (g + mu * momentum)
+        else:
+            momentum = mu * momentum + g / inner_lr
+            anchor = anchor - outer_lr * inner_lr * momentum
+        for copy in replica_values(strategy, w):
+            numpy.testing.assert_allclose(copy, anchor, atol=1e-6, rtol=0)
+        numpy.testing.assert_allclose(replica_values(strategy, averaging.anchors["w"])[1], anchor, atol=1e-6, rtol=0)
+
+
 def test_schedule_of_hierarchy_and_fragments():
     from returnn_tpu.sync import SyncDue, SyncSchedule
 

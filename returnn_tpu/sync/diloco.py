@@ -2,7 +2,9 @@
 
 The replicas' mean change since the last sync is the negative of an outer gradient
 ``g = anchor - mean(copies)``; the outer step is Nesterov momentum with (in the paper) learning
-rate 0.7 and momentum 0.9. With learning rate 1 and momentum 0 it is plain averaging.
+rate 0.7 and momentum 0.9, applied to the anchor by the package's momentum optimizer
+(:class:`returnn_tpu.optimizers.MomentumOptimizer`, TF1's rule). With learning rate 1 and
+momentum 0 it is plain averaging.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Dict, List, Optional
 
 import tensorflow as tf
 
-from returnn_tpu.sync.averaging import ParameterAveraging, assign_own_copies
+from returnn_tpu.optimizers import MomentumOptimizer
+from returnn_tpu.sync.averaging import ParameterAveraging
 
 
 class DiLoCoAveraging(ParameterAveraging):
@@ -68,17 +71,16 @@ class DiLoCoAveraging(ParameterAveraging):
         super().forget_state()
         self.momenta = {}
 
-    def new_momenta(self, strategy, names: List[str], outer_grads: List[tf.Tensor]) -> List[tf.Tensor]:
-        """``momentum * m + g`` for each parameter; stored, and returned (replica context)."""
-        momenta = [self.momenta[name] for name in names]
-        new = [self.outer_momentum * m + g for m, g in zip(momenta, outer_grads)]
-        assign_own_copies(strategy, momenta, new)
-        return new
+    def outer_step(self, strategy, names: List[str], outer_grads: List[tf.Tensor], step_size, *,
+                   nesterov: bool) -> List[tf.Tensor]:
+        """Momentum (``m = momentum * m + g``) applied to each anchor with ``step_size``, Nesterov's
+        or heavy ball; the new anchors (replica context: this replica's copies)."""
+        rule = MomentumOptimizer(self.outer_momentum, use_nesterov=nesterov)
+        for name, grad in zip(names, outer_grads):
+            strategy.extended.update(self.anchors[name], rule.apply_to_copy,
+                                     args=(grad, {"Momentum": self.momenta[name]}, step_size))
+        return [tf.identity(self.anchors[name]) for name in names]
 
     def apply_mean_change(self, strategy, names, anchors, mean_changes, learning_rate):
-        outer_grads = [-change for change in mean_changes]
-        momenta = self.new_momenta(strategy, names, outer_grads)
-        return [
-            anchor - self.outer_learning_rate * (g + self.outer_momentum * m)
-            for anchor, g, m in zip(anchors, outer_grads, momenta)
-        ]
+        return self.outer_step(strategy, names, [-change for change in mean_changes], self.outer_learning_rate,
+                               nesterov=True)

@@ -18,5 +18,5 @@ class SlowMoAveraging(DiLoCoAveraging):
 
     def apply_mean_change(self, strategy, names, anchors, mean_changes, learning_rate):
         inner_lr = tf.cast(learning_rate, tf.float32)
-        momenta = self.new_momenta(strategy, names, [-change / inner_lr for change in mean_changes])
-        return [anchor - self.outer_learning_rate * inner_lr * m for anchor, m in zip(anchors, momenta)]
+        return self.outer_step(strategy, names, [-change / inner_lr for change in mean_changes],
+                               self.outer_learning_rate * inner_lr, nesterov=False)
