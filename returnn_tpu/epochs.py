@@ -78,6 +78,18 @@ class EpochData:
             return producer
         return RemoteProducer((host, int(port)), numpy.array(key, numpy.uint32).tobytes(), self.cluster.worker_index)
 
+    def start_notes(self) -> List[str]:
+        """What an epoch is with several replicas, for the log before the first step."""
+        replicas = self.num_replicas
+        if replicas > 1 and self.options.dataset_distribution == "random_seed_offset":
+            return [f"an epoch is {replicas} passes over the training data: each of the {replicas} replicas walks "
+                    "its own copy in its own order (as RETURNN's Horovod mode does), and epoch-keyed learning-rate "
+                    "schedules see that; distribute_options['dataset_distribution'] = 'shard' makes an epoch one "
+                    "pass, dealt to the replicas"]
+        if replicas > 1:
+            return [f"an epoch is one pass over the training data, its batches dealt to the {replicas} replicas"]
+        return []
+
     def use_network(self, info):
         """Batches for the network ``info`` describes (:class:`returnn_tpu.returnn_bridge.NetworkInfo`):
         its ``extern_data`` and the data keys it uses. The first time, the datasets are checked

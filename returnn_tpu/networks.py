@@ -19,6 +19,18 @@ from returnn_tpu.errors import ConfigError
 _DATASET_KEYS = ("train", "dev", "eval", "eval_datasets", "chunking")
 
 
+def learning_rate_control(config):
+    """RETURNN's learning-rate control of ``config`` (its ``learning_rate_file`` loaded), or a
+    ConfigError naming the file when RETURNN cannot read it (bad input, found before training)."""
+    from returnn.learning_rate_control import load_learning_rate_control_from_config
+
+    try:
+        return load_learning_rate_control_from_config(config)
+    except Exception as exc:  # noqa: BLE001 (RETURNN evaluates the file; its errors name no file)
+        raise ConfigError(f"learning_rate_file {config.value('learning_rate_file', '')!r} is not a RETURNN "
+                          f"learning-rate file ({type(exc).__name__}: {exc}); fix or remove it") from None
+
+
 class EpochNetworks:
     """The network dict of every epoch, and RETURNN's rules for switching between them."""
 

@@ -314,3 +314,21 @@ def _scalar(tag: str, value: float, step: int):
     """A TensorBoard scalar through TensorFlow's own summary op (``tensorflow-cpu`` has no
     TensorBoard package, whose ``tf.summary.scalar`` this would otherwise need)."""
     tf.summary.write(tag, tf.constant(value, tf.float32), step=step, metadata=_SCALAR_METADATA)
+
+
+def evaluate(steps, data, epoch: int, sum_over_workers: Callable[[List[float]], List[float]],
+             exp_loss: bool) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """RETURNN's scores of the current (combined) model on each eval dataset of ``data``
+    (:class:`returnn_tpu.epochs.EpochData`): ``{"dev": {"score": .., "error": ..}}``.
+
+    Every batch is evaluated exactly once, spread over all replicas of all workers by ``steps``
+    (:class:`returnn_tpu.steps.ReplicaSteps`); the sums are combined with ``sum_over_workers``.
+    """
+    results = {}
+    for dataset in data.dev_datasets:
+        scores = ScoreAccumulator(steps.strategy, exp_loss)
+        for step_batches, weights in steps.on_device(data.eval_batches(dataset, epoch)):
+            scores.add(steps.evaluate(step_batches, weights))
+        scores.combine(sum_over_workers)
+        results[dataset.name] = {"score": scores.score(), "error": scores.error()}
+    return results

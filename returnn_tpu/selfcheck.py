@@ -97,7 +97,7 @@ def run_row(strategy: str, options: dict) -> dict:
         if step == STEPS:
             break
         compilations, start = trainer.steps.compilations, time.perf_counter()
-        trainer.local_sums(trainer.train_step(step_batches, 0.01))  # reads the metrics back: the step is done
+        trainer.steps.local_sums(trainer.train_step(step_batches, 0.01))  # reads the metrics back: the step is done
         if trainer.steps.compilations == compilations:  # a step that compiled (XLA, new shape) is no step time
             times.append(time.perf_counter() - start)
     trainer.sync()

@@ -26,8 +26,10 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy
 import tensorflow as tf
 
+from returnn_tpu.data import read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer, StepLearningRate
 from returnn_tpu.patches import SharedBuildUnsupported, function_graph, variables_over_handles
@@ -121,6 +123,31 @@ class ReplicaSteps:
             with tf.device(device):
                 placed.append({key: tf.identity(value) for key, value in batch.items()})
         return placed
+
+    def on_device(self, batches):
+        """``batches``' steps with each replica's batch already on its device: the next step's is
+        copied there while the current step runs."""
+        return read_ahead(batches, 1, name="returnn_tpu to device", transform=lambda step: (self.place(step[0]), step[1]))
+
+    def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
+        """Every parameter of the network (RETURNN names) as its value on each of this worker's
+        replicas (read back to the host)."""
+        return {name: [copy.numpy() for copy in self.strategy.experimental_local_results(var)]
+                for name, var in self.builder.variables.by_name.items()}
+
+    def first_copy(self, var: tf.Variable) -> numpy.ndarray:
+        """The value of this worker's first replica's copy of ``var``."""
+        return self.strategy.experimental_local_results(var)[0].numpy()
+
+    def parameter_checksum(self) -> float:
+        """Sum of the absolute parameter values of this worker's first replica (logged; equal on all
+        workers after a sync)."""
+        return sum(float(tf.reduce_sum(tf.abs(tf.cast(self.strategy.experimental_local_results(var)[0], tf.float64))))
+                   for var in self.builder.variables.by_name.values())
+
+    def local_sums(self, metrics: Dict[str, tf.Tensor]) -> Dict[str, float]:
+        """Per-replica step metrics summed over this worker's replicas (reads them back)."""
+        return {k: sum(float(v) for v in self.strategy.experimental_local_results(t)) for k, t in metrics.items()}
 
     def create_variables(self, first_step: List):
         """Creates the parameters (by building the forward pass once), the optimizer state, and

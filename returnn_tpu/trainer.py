@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy
@@ -23,14 +22,13 @@ import tensorflow as tf
 import returnn_tpu
 from returnn_tpu import checkpoints, xla
 from returnn_tpu.cluster import Cluster
-from returnn_tpu.data import read_ahead
 from returnn_tpu.epochs import EpochData
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.faults import NONFINITE_CHECK_STEPS, NonFiniteMonitor, NonFiniteScore, StopRequest, Stopped
-from returnn_tpu.networks import EpochNetworks
+from returnn_tpu.networks import EpochNetworks, learning_rate_control
 from returnn_tpu.optimizers import GradientOptions, StepLearningRate, optimizer_from_config
 from returnn_tpu.options import DistributeOptions
-from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress
+from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress, evaluate
 from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 from returnn_tpu.strategies import is_local_sgd, make_strategy
@@ -54,7 +52,7 @@ class Trainer:
 
         check_config(config)  # as the command line checks it, for trainers made from a Config object
         self.config = config
-        self.learning_rate_control = self._learning_rate_control()  # bad input found before anything starts
+        self.learning_rate_control = learning_rate_control(config)  # bad input found before anything starts
         self.options = options
         self.log = log
         self.cluster = cluster or Cluster("local", None)
@@ -130,7 +128,7 @@ class Trainer:
             check_xla_compatible(self.builder.net_dict)
         self.info = self.builder.inspect()
         self._inspected = self.builder.net_dict
-        self._check_same_network_everywhere()
+        self.workers.check_same_network(self.info.param_shapes)
         self.data.use_network(self.info)
 
     def use_network_of_epoch(self, epoch: int):
@@ -172,17 +170,6 @@ class Trainer:
         self._built = False
         self._network_epoch = epoch
 
-    # ---- config parts -------------------------------------------------------------------------
-
-    def _learning_rate_control(self):
-        from returnn.learning_rate_control import load_learning_rate_control_from_config
-
-        try:
-            return load_learning_rate_control_from_config(self.config)
-        except Exception as exc:  # noqa: BLE001 (RETURNN evaluates the file; its errors name no file)
-            raise ConfigError(f"learning_rate_file {self.config.value('learning_rate_file', '')!r} is not a RETURNN "
-                              f"learning-rate file ({type(exc).__name__}: {exc}); fix or remove it") from None
-
     # ---- building and resuming ---------------------------------------------------------------
 
     def _build(self, step_batches: List):
@@ -195,7 +182,7 @@ class Trainer:
         print(f"network built and train step traced in {time.perf_counter() - start:.1f} s", file=self.log.v2)
         self._built = True
         copy_mode = self.networks.copy_param_mode(self.builder.net_dict, self._network_epoch)
-        carry_over(self.builder.variables, copy_mode, self.first_copy, log_file=self.log.v3)
+        carry_over(self.builder.variables, copy_mode, self.steps.first_copy, log_file=self.log.v3)
         if self._resume_prefix:
             self.checkpoints.restore(self._resume_prefix)
             self._resume_prefix = None
@@ -203,29 +190,13 @@ class Trainer:
             self._resume_epoch = 0
         self.syncs.at_network_start(self.steps)
 
-    def _check_same_network_everywhere(self):
-        """Every worker's network has the same parameters (names and shapes), or a one-line error
-        naming the workers whose network differs from worker 0's, before any collective on them
-        (creating the variables broadcasts their initial values: TensorFlow's bare shape mismatch)."""
-        described = "\n".join(f"{name} {shape}" for name, shape in self.info.param_shapes.items())
-        fingerprints = self.workers.all_workers(zlib.crc32(described.encode()))
-        differ = [worker for worker, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
-        if differ:
-            raise ConfigError(
-                f"worker{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} built another network than "
-                f"worker 0 (parameter names and shapes differ; this worker has {len(self.info.param_shapes)} parameters): "
-                "every worker must run the same config"
-            )
-
     def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
-        """Every parameter of the network (RETURNN names) as its value on each of this worker's
-        replicas (read back to the host)."""
-        return {name: [copy.numpy() for copy in self.strategy.experimental_local_results(var)]
-                for name, var in self.builder.variables.by_name.items()}
+        """Every parameter of the network (RETURNN names) as its value on each of this worker's replicas."""
+        return self.steps.parameter_copies()
 
-    def first_copy(self, var: tf.Variable) -> numpy.ndarray:
-        """The value of this worker's first replica's copy of ``var``."""
-        return self.strategy.experimental_local_results(var)[0].numpy()
+    def evaluate(self, epoch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
+        """The dev scores of the (combined) model: see :func:`returnn_tpu.reporting.evaluate`."""
+        return evaluate(self.steps, self.data, epoch, self.workers.sum, self.exp_loss)
 
     def sync(self, stats: Optional[EpochStats] = None):
         """Makes the replicas' copies one model now (local SGD; synchronous strategies' copies are
@@ -233,12 +204,6 @@ class Trainer:
         self.syncs.now(self.steps, self.learning_rate, stats)
 
     # ---- the loop ----------------------------------------------------------------------------
-
-    def on_device(self, batches):
-        """``batches``' steps with each replica's batch already on its device: the next step's is
-        copied there while the current step runs."""
-        return read_ahead(batches, 1, name="returnn_tpu to device",
-                          transform=lambda step: (self.steps.place(step[0]), step[1]))
 
     def train(self):
         """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``.
@@ -288,20 +253,11 @@ class Trainer:
                   file=self.log.v1)
 
     def start_notes(self) -> List[str]:
-        """What a user should know before the first step: the options in force, a local SGD that
-        has one replica, what an epoch is with several replicas, and outer-optimizer settings
-        known to overshoot."""
-        notes = [f"distribute_options in force: {self.options.in_force()}"]
-        replicas = self.steps.num_replicas
-        notes += self.syncs.start_notes(self.options.strategy, replicas)
-        if replicas > 1 and self.options.dataset_distribution == "random_seed_offset":
-            notes.append(f"an epoch is {replicas} passes over the training data: each of the {replicas} replicas "
-                         "walks its own copy in its own order (as RETURNN's Horovod mode does), and epoch-keyed "
-                         "learning-rate schedules see that; distribute_options['dataset_distribution'] = 'shard' "
-                         "makes an epoch one pass, dealt to the replicas")
-        elif replicas > 1:
-            notes.append(f"an epoch is one pass over the training data, its batches dealt to the {replicas} replicas")
-        return notes
+        """What a user should know before the first step: the options in force, and what the syncs
+        and the epoch's data say (a local SGD of one replica, settings known to overshoot, what an
+        epoch is with several replicas)."""
+        return ([f"distribute_options in force: {self.options.in_force()}"]
+                + self.syncs.start_notes(self.options.strategy, self.steps.num_replicas) + self.data.start_notes())
 
     def initialize_model(self):
         """RETURNN's ``task = "initialize_model"``: the initial parameters of epoch 1's network,
@@ -357,7 +313,7 @@ class Trainer:
         batches.start_at(first_step)
         stats.data_making_seconds = batches.making_seconds
         waited_since = start  # making the epoch's batch lists is waiting for data too
-        for step, (step_batches, _) in enumerate(self.on_device(batches), start=first_step):
+        for step, (step_batches, _) in enumerate(self.steps.on_device(batches), start=first_step):
             self._stop_if_requested(epoch, step, stats)
             step_start = time.perf_counter()
             stats.data_wait_seconds += step_start - waited_since
@@ -369,7 +325,7 @@ class Trainer:
             if (step + 1) % NONFINITE_CHECK_STEPS == 0:
                 self.check_nonfinite(epoch, stats)
             if progress:
-                progress.step(step, batches.num_steps, self.local_sums(metrics), time.perf_counter() - step_start)
+                progress.step(step, batches.num_steps, self.steps.local_sums(metrics), time.perf_counter() - step_start)
             waited_since = time.perf_counter()
         if batches.num_steps == 0:
             raise ConfigError(f"train: epoch {epoch} has no batch for every replica (too few sequences, or all "
@@ -382,7 +338,7 @@ class Trainer:
             "stop_on_nonfinite_train_score", True
         ):  # RETURNN's rule; nothing of this epoch is saved
             raise NonFiniteScore(f"{self.epoch_name(epoch)}: non-finite train score {scores.score()}; not saved")
-        print(f"epoch {epoch}: parameter checksum {self.parameter_checksum():.9g}", file=self.log.v2)
+        print(f"epoch {epoch}: parameter checksum {self.steps.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
         figures = xla.epoch_figures(self.data, self.steps)
         if figures:
@@ -432,30 +388,3 @@ class Trainer:
     def epoch_name(self, epoch: int) -> str:
         """``"epoch 3"``, or ``"pretrain epoch 1"``, as RETURNN names epochs in its log."""
         return ("pretrain " if self.networks.is_pretrain_epoch(epoch) else "") + f"epoch {epoch}"
-
-    def local_sums(self, metrics: Dict[str, tf.Tensor]) -> Dict[str, float]:
-        """Per-replica step metrics summed over this worker's replicas (reads them back)."""
-        return {k: sum(float(v) for v in self.strategy.experimental_local_results(t)) for k, t in metrics.items()}
-
-    def evaluate(self, epoch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
-        """RETURNN's scores of the (averaged) model on each eval dataset: ``{"dev": {"score":..,"error":..}}``.
-
-        Every batch is evaluated exactly once, spread over all replicas of all workers.
-        """
-        results = {}
-        for dataset in self.data.dev_datasets:
-            scores = ScoreAccumulator(self.strategy, self.exp_loss)
-            for step_batches, weights in self.on_device(self.data.eval_batches(dataset, epoch)):
-                scores.add(self.steps.evaluate(step_batches, weights))
-            scores.combine(self.workers.sum)
-            results[dataset.name] = {"score": scores.score(), "error": scores.error()}
-        return results
-
-    def parameter_checksum(self) -> float:
-        """Sum of the absolute parameter values of this worker's first replica (logged; equal on all
-        workers after a sync)."""
-        total = 0.0
-        for var in self.builder.variables.by_name.values():
-            first_copy = self.strategy.experimental_local_results(var)[0]
-            total += float(tf.reduce_sum(tf.abs(tf.cast(first_copy, tf.float64))))
-        return total

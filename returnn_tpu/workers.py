@@ -7,11 +7,13 @@ are free and local.
 
 from __future__ import annotations
 
-from typing import List
+import zlib
+from typing import Dict, List
 
 import numpy
 import tensorflow as tf
 
+from returnn_tpu.errors import ConfigError
 from returnn_tpu.strategies import distribute_local_values
 
 
@@ -44,3 +46,17 @@ class WorkerCollectives:
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any worker."""
         return self.sum([float(flag)])[0] > 0
+
+    def check_same_network(self, param_shapes: Dict[str, tuple]):
+        """Every worker's network has the same parameters (names and shapes), or a one-line error
+        naming the workers whose network differs from worker 0's, before any collective on them
+        (creating the variables broadcasts their initial values: TensorFlow's bare shape mismatch)."""
+        described = "\n".join(f"{name} {shape}" for name, shape in param_shapes.items())
+        fingerprints = self.all_workers(zlib.crc32(described.encode()))
+        differ = [worker for worker, fingerprint in enumerate(fingerprints) if fingerprint != fingerprints[0]]
+        if differ:
+            raise ConfigError(
+                f"worker{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} built another network than "
+                f"worker 0 (parameter names and shapes differ; this worker has {len(param_shapes)} parameters): "
+                "every worker must run the same config"
+            )
