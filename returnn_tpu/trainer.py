@@ -1,7 +1,7 @@
 """The training loop: epochs, steps, learning-rate control, checkpoints, dev scores.
 
-Each decision has its own owner, which the loop asks: the compiled step functions are
-:mod:`returnn_tpu.steps`, what an epoch's batches are :mod:`returnn_tpu.epochs`, when the copies
+Each decision has its own owner, which the loop asks: which network an epoch trains and its
+compiled step functions :mod:`returnn_tpu.current_network`, what an epoch's batches are :mod:`returnn_tpu.epochs`, when the copies
 are combined :mod:`returnn_tpu.sync` (its ``lifecycle``), the checkpoints
 :class:`returnn_tpu.checkpoints.RunCheckpoints`, what stops a run :mod:`returnn_tpu.faults`, what is
 reported :mod:`returnn_tpu.reporting`, and the collectives between workers
@@ -17,20 +17,19 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy
-import tensorflow as tf
 
 import returnn_tpu
 from returnn_tpu import checkpoints, xla
 from returnn_tpu.cluster import Cluster
+from returnn_tpu.current_network import CurrentNetwork
 from returnn_tpu.epochs import EpochData
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.faults import NONFINITE_CHECK_STEPS, NonFiniteMonitor, NonFiniteScore, StopRequest, Stopped
 from returnn_tpu.networks import EpochNetworks, learning_rate_control
-from returnn_tpu.optimizers import GradientOptions, StepLearningRate, optimizer_from_config
+from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress, evaluate
-from returnn_tpu.returnn_bridge import NetworkBuilder, carry_over, check_xla_compatible
-from returnn_tpu.steps import ReplicaSteps
+from returnn_tpu.returnn_bridge import NetworkBuilder
 from returnn_tpu.strategies import is_local_sgd, make_strategy
 from returnn_tpu.startup import check_config
 from returnn_tpu.sync import make_syncs
@@ -69,19 +68,16 @@ class Trainer:
         # accum_grad_multiple_step, which makes one update of every batches_per_update batches.
         self.batches_per_update = max(1, config.int("accum_grad_multiple_step", 1))
         self.batches_trained = 0
-        self.steps = self._replica_steps()
-        if self.steps.in_step and self.batches_per_update > 1:
-            raise ConfigError(
-                f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
-                "inside the compiled step); use 'local_sgd' or 'mirrored'"
-            )
-        self.data = EpochData(config, options, self.cluster, self.workers, num_replicas=self.steps.num_replicas,
-                              local_replicas=self.steps.local_replicas, first_replica=self.steps.first_replica,
+        self.data = EpochData(config, options, self.cluster, self.workers, num_replicas=self.strategy.num_replicas_in_sync,
+                              local_replicas=self.workers.local_replicas, first_replica=self.workers.first_replica,
                               config_source=config_source)
         if options.jit_compile:
             xla.prepare_config(config)
-        self.info, self._inspected = None, None  # what the builder's network is, and of which net dict
-        self._inspect_network()
+        self.network = CurrentNetwork(
+            config, options, self.strategy, networks=self.networks, builder=self.builder, optimizer=self.optimizer,
+            syncs=self.syncs, workers=self.workers, data=self.data, learning_rate_control=self.learning_rate_control,
+            batches_per_update=self.batches_per_update, worker_index=self.cluster.worker_index, log=log,
+        )
         self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
         self.checkpoints = checkpoints.RunCheckpoints(
@@ -99,95 +95,28 @@ class Trainer:
         self.nonfinite = NonFiniteMonitor(self.workers, skip=options.skip_nonfinite_steps,
                                           num_workers=self.cluster.num_workers, log=log)
         self._stepped = False  # whether this process has made a train step
-        self._built = False
-        self._resume_epoch = 0  # the epoch of the checkpoint to restore when the variables are created
-        self._resume_prefix: Optional[str] = None  # that checkpoint (an epoch's, or an interrupted epoch's)
-        self._network_epoch: Optional[int] = None  # the epoch whose network is built (None: none yet)
+        self._resume_prefix: Optional[str] = None  # the checkpoint to restore once the variables exist
 
-    def _replica_steps(self) -> ReplicaSteps:
-        """Step functions for the builder's current network (traced on their first call)."""
-        return ReplicaSteps(
-            self.strategy,
-            self.builder,
-            self.optimizer,
-            jit_compile=self.options.jit_compile,
-            averaging=self.syncs.averaging,
-            num_fragments=self.options.sync_fragments,
-            gradients=GradientOptions.from_config(self.config),
-            step_learning_rate=StepLearningRate.from_config(self.config),
-            accumulate=self.batches_per_update > 1,
-            worker_index=self.cluster.worker_index,
-        )
-
-    def _inspect_network(self):
-        """What batching needs to know of the builder's network (and, with XLA, whether it compiles);
-        once per network dict (each inspection logs RETURNN's layer templates, as its build does)."""
-        if self.info is not None and self._inspected is self.builder.net_dict:
-            return
-        if self.options.jit_compile:
-            check_xla_compatible(self.builder.net_dict)
-        self.info = self.builder.inspect()
-        self._inspected = self.builder.net_dict
-        self.workers.check_same_network(self.info.param_shapes)
-        self.data.use_network(self.info)
+    @property
+    def steps(self):
+        """The compiled steps of the current network (:class:`returnn_tpu.steps.ReplicaSteps`)."""
+        return self.network.steps
 
     def use_network_of_epoch(self, epoch: int):
-        """Switches to the network ``epoch`` trains if it differs from the current one, as RETURNN's
-        ``init_train_epoch`` does.
-
-        The step functions are traced anew; parameters of the same name and shape carry over,
-        others as ``copy_param_mode`` says; the new network is seeded from the epoch it is created
-        in; and, as RETURNN builds a new graph and optimizer then, the optimizer's slots restart.
-        """
-        net_dict = self.networks.net_dict(epoch)
-        if self.networks.apply_config_updates(net_dict, epoch, self.learning_rate_control):
-            self.data.read_batching_options()
-        first = self._network_epoch is None
-        if not first and not self.networks.differs(self.builder.net_dict, net_dict):
-            return
-        reset = ()
-        if not first:
-            print(f"reinit because network description differs (epoch {epoch})", file=self.log.v3)
-            if self.networks.copy_param_mode(net_dict, epoch) == "reset":
-                reset = list(self.builder.variables.by_name)
-            elif self.networks.reset_output_layers(epoch):
-                reset = self.info.output_layer_params
-            self.optimizer.reset_slots()
-            self.syncs.network_changed()
-        # Resuming, RETURNN creates the network in the epoch of the checkpoint it loads.
-        seed_epoch = self._resume_epoch if first and self._resume_epoch else epoch
-        seeds = self.networks.random_seeds(seed_epoch)
-        self.builder.use_network(
-            net_dict,
-            seeds=seeds,
-            train_param_args=self.networks.train_param_args(epoch),
-            allow_new_shapes=self.networks.changes_per_epoch,
-            reset=reset,
-        )
-        tf.random.set_seed(seeds[1])
-        self._inspect_network()
-        self.steps = self._replica_steps()
-        self._built = False
-        self._network_epoch = epoch
+        """Switches to the network ``epoch`` trains (:meth:`CurrentNetwork.use_epoch`)."""
+        self.network.use_epoch(epoch)
 
     # ---- building and resuming ---------------------------------------------------------------
 
     def _build(self, step_batches: List):
-        """Creates all variables and traces the train step; restores the checkpoint when resuming."""
-        start = time.perf_counter()
-        replicas = self.strategy.num_replicas_in_sync
-        print(f"building the network for {replicas} replica{'s' if replicas > 1 else ''} and tracing the train "
-              "step ...", file=self.log.v2)
-        self.steps.create_variables(step_batches)
-        print(f"network built and train step traced in {time.perf_counter() - start:.1f} s", file=self.log.v2)
-        self._built = True
-        copy_mode = self.networks.copy_param_mode(self.builder.net_dict, self._network_epoch)
-        carry_over(self.builder.variables, copy_mode, self.steps.first_copy, log_file=self.log.v3)
+        """Creates all variables and traces the train step; restores the checkpoint when resuming;
+        then one model on every replica."""
+        self.network.build(step_batches)
         if self._resume_prefix:
             self.checkpoints.restore(self._resume_prefix)
             self._resume_prefix = None
             self.batches_trained = int(self.optimizer.step.numpy()) * self.batches_per_update
-            self._resume_epoch = 0
+            self.network.created_in_epoch = 0
         self.syncs.at_network_start(self.steps)
 
     def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
@@ -239,7 +168,7 @@ class Trainer:
         )
         for line in self.start_notes():
             print(f"returnn-tpu: {line}", file=self.log.v2)
-        self._resume_epoch = start_epoch - 1
+        self.network.created_in_epoch = start_epoch - 1
         self._resume_prefix = interrupted.prefix if interrupted else self.checkpoints.newest()
         try:
             for epoch in range(start_epoch, self.num_epochs + 1):
@@ -281,7 +210,7 @@ class Trainer:
         Returns the step's per-replica metrics (see :func:`loss_metrics`).
         """
         stats = stats or EpochStats()
-        if not self._built:
+        if not self.network.built:
             build_start = time.perf_counter()
             self._build(step_batches)
             stats.trace_seconds += time.perf_counter() - build_start
@@ -360,7 +289,7 @@ class Trainer:
             return
         where = f"stopped by signal {signum} in {self.epoch_name(epoch)} before step {step + 1}"
         previous = self.checkpoints.epoch_filename(epoch - 1) if epoch > 1 else None
-        if not self._built or (step == 0 and previous and os.path.exists(previous + ".index")):
+        if not self.network.built or (step == 0 and previous and os.path.exists(previous + ".index")):
             raise Stopped(f"{where}; nothing was trained since the newest checkpoint: run the same command to "
                           "resume", signum)
         self.check_nonfinite(epoch, stats)  # no replica's copy is non-finite
@@ -382,7 +311,7 @@ class Trainer:
     def check_nonfinite(self, epoch: int, stats: EpochStats):
         """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN
         or Inf in any replica (:class:`returnn_tpu.faults.NonFiniteMonitor`)."""
-        if self._built:
+        if self.network.built:
             stats.skipped_nonfinite += self.nonfinite.check(self.steps, self.epoch_name(epoch))
 
     def epoch_name(self, epoch: int) -> str:
