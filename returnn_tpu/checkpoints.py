@@ -89,6 +89,16 @@ _EPOCH_KEY = "returnn_tpu/interrupted_epoch"
 _STEPS_KEY = "returnn_tpu/interrupted_steps_done"
 
 
+class ResumePoint(NamedTuple):
+    """Where a run starts: the first epoch to train, its first step (after an interruption there),
+    and the checkpoint to load once the variables exist (None: a fresh start)."""
+
+    epoch: int
+    first_step: int
+    prefix: Optional[str]
+    interrupted: bool
+
+
 class Interrupted(NamedTuple):
     """A checkpoint written when a signal stopped an epoch: resume continues that epoch there."""
 
@@ -269,6 +279,26 @@ class RunCheckpoints:
     def interrupted(self, start_epoch: int) -> Optional[Interrupted]:
         """The interrupted epoch to continue (at or after ``start_epoch``), or None."""
         return interrupted(self.model_filename, start_epoch)
+
+    def resume_point(self, all_workers: Callable[[int], List[int]]) -> ResumePoint:
+        """Where every worker starts: after the newest epoch's checkpoint, or in the interrupted
+        epoch after it. The chief first tidies (:meth:`tidy`) while the others wait
+        (``all_workers(value)``: every worker's value); all must find the same checkpoints."""
+        self.tidy()
+        all_workers(0)  # the chief is done with the files
+        start_epoch = self.start_epoch()
+        start_epochs = all_workers(start_epoch)
+        if len(set(start_epochs)) > 1:
+            raise RuntimeError(
+                f"workers found different checkpoints to resume from (start epochs {start_epochs}); "
+                "`model` must be on a file system all workers share"
+            )
+        if self.chief:
+            os.makedirs(os.path.dirname(os.path.abspath(self.model_filename)), exist_ok=True)
+        found = self.interrupted(start_epoch)
+        if found:
+            return ResumePoint(found.epoch, found.steps_done, found.prefix, True)
+        return ResumePoint(start_epoch, 0, self.newest(), False)
 
     # ---- contents -----------------------------------------------------------------------------
 

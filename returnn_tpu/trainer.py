@@ -135,43 +135,27 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
 
     def train(self):
-        """Trains from the start epoch (after the newest checkpoint) to ``num_epochs``.
-
-        The chief first removes what crashed saves left behind and sets aside a newest checkpoint
-        that does not load (resume then uses the one before it); the other workers wait for it.
-        """
-        self.checkpoints.tidy()
-        self.workers.all_workers(0)  # the chief is done with the files
-        start_epoch = self.checkpoints.start_epoch()
-        start_epochs = self.workers.all_workers(start_epoch)
-        if len(set(start_epochs)) > 1:
-            raise RuntimeError(
-                f"workers found different checkpoints to resume from (start epochs {start_epochs}); "
-                "`model` must be on a file system all workers share"
-            )
+        """Trains from where the checkpoints leave off (:meth:`RunCheckpoints.resume_point`: after
+        the newest epoch's, or inside an interrupted epoch) to ``num_epochs``."""
         print(f"returnn-tpu: cluster: {self.cluster.description}", file=self.log.v2)
-        if self.cluster.is_chief:
-            os.makedirs(os.path.dirname(os.path.abspath(self.checkpoints.model_filename)), exist_ok=True)
-        interrupted = self.checkpoints.interrupted(start_epoch)
-        first_step = 0
-        if interrupted:
-            start_epoch, first_step = interrupted.epoch, interrupted.steps_done
-        if start_epoch > self.num_epochs:
-            print(f"nothing to do: training is at epoch {start_epoch}, num_epochs is {self.num_epochs}",
+        start = self.checkpoints.resume_point(self.workers.all_workers)
+        if start.epoch > self.num_epochs:
+            print(f"nothing to do: training is at epoch {start.epoch}, num_epochs is {self.num_epochs}",
                   file=self.log.v1)
             return
         print(
             f"returnn-tpu: strategy {self.options.strategy}, {self.cluster.num_workers} workers, "
-            f"{self.steps.num_replicas} replicas, start training at epoch {start_epoch}"
-            + (f", step {first_step + 1} (interrupted there)" if interrupted else ""),
+            f"{self.steps.num_replicas} replicas, start training at epoch {start.epoch}"
+            + (f", step {start.first_step + 1} (interrupted there)" if start.interrupted else ""),
             file=self.log.v2,
         )
         for line in self.start_notes():
             print(f"returnn-tpu: {line}", file=self.log.v2)
-        self.network.created_in_epoch = start_epoch - 1
-        self._resume_prefix = interrupted.prefix if interrupted else self.checkpoints.newest()
+        self.network.created_in_epoch = start.epoch - 1
+        self._resume_prefix = start.prefix
+        first_step = start.first_step
         try:
-            for epoch in range(start_epoch, self.num_epochs + 1):
+            for epoch in range(start.epoch, self.num_epochs + 1):
                 self.train_epoch(epoch, first_step)
                 first_step = 0
         finally:
