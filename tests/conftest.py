@@ -28,6 +28,44 @@ log.initialize(logs=[], verbosity=[0])  # in-process trainers log nothing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+TWELVE_AX = {  # the tests' run: RETURNN's 12AX task (9 inputs, 2 classes) on a small LSTM, 2 replicas
+    "task": "train",
+    "train": {"class": "Task12AXDataset", "num_seqs": 40},
+    "dev": {"class": "Task12AXDataset", "num_seqs": 10, "fixed_random_seed": 1},
+    "num_inputs": 9,
+    "num_outputs": 2,
+    "batch_size": 300,
+    "max_seqs": 5,
+    "network": {
+        "fw0": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"},
+        "output": {"class": "softmax", "loss": "ce", "from": "fw0"},
+    },
+    "optimizer": {"class": "adam"},
+    "learning_rate": 0.01,
+    "model": "out/model",
+    "learning_rate_file": "out/lr",
+    "num_epochs": 3,
+    "log_verbosity": 3,
+    "distribute_strategy": "local_sgd",
+    "distribute_options": {"num_replicas": 2, "param_sync_step": 2},
+}
+
+
+def config_12ax(prelude: str = "", **values) -> str:
+    """The text of a config file: :data:`TWELVE_AX` with ``values`` in place of its own (a value of
+    None leaves the key out; a :class:`Code` value is written as the Python it holds), after the
+    Python lines of ``prelude``."""
+    merged = {**TWELVE_AX, **values}
+    lines = [f"{key} = {value!r}" for key, value in merged.items() if value is not None]
+    return "\n".join(["#!returnn-tpu", *([prelude.rstrip("\n")] if prelude else []), *lines, ""])
+
+
+class Code(str):
+    """A config value written as the Python expression it holds (e.g. one that depends on the worker)."""
+
+    def __repr__(self):
+        return str(self)
+
 
 def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **config_values):
     """A Trainer for the 12AX task (9 inputs, 2 classes), with checkpoints under tmp_path."""
@@ -37,8 +75,8 @@ def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **c
 
     values = {
         "task": "train",
-        "train": {"class": "Task12AXDataset", "num_seqs": 20},
-        "extern_data": {"data": {"dim": 9}, "classes": {"dim": 2, "sparse": True}},
+        "train": {**TWELVE_AX["train"], "num_seqs": 20},
+        "extern_data": {"data": {"dim": TWELVE_AX["num_inputs"]}, "classes": {"dim": TWELVE_AX["num_outputs"], "sparse": True}},
         "network": network,
         "batch_size": 200,
         "max_seqs": 4,

@@ -1,7 +1,7 @@
 """Bad input: one line naming the option and what is valid, exit status 2, nothing written.
 
-Most rows run the command's entry point in this process (fast); the config is the small one of
-test_cli.py plus one line, or the command line changed, or the environment.
+Most rows run the command's entry point in this process (fast); the config is the tests' 12AX
+one (conftest.config_12ax) plus one line, or the command line changed, or the environment.
 """
 
 import json
@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from test_cli import SMALL_CONFIG
+from conftest import config_12ax
 
 FILE = "a file, not a folder"
 
@@ -117,7 +117,7 @@ def test_bad_input(tmp_path, monkeypatch, capsys, line, args, env, message):
     from returnn_tpu import cli
 
     assert len(ROWS) >= 40
-    config = SMALL_CONFIG.replace('distribute_options = {"num_replicas": 2, "param_sync_step": 2}\n', "")
+    config = config_12ax(distribute_options=None)
     if env.pop("NUM_REPLICAS_LINE", None):
         line = 'distribute_options = {"num_replicas": 2}'
     log = "" if line.startswith("log =") else "log = 'out/train.log'\n"
@@ -155,7 +155,7 @@ def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys
     from returnn_tpu.errors import ConfigError
     from returnn_tpu.model_lock import STALE_SECONDS, ModelLock
 
-    (tmp_path / "train.config").write_text(SMALL_CONFIG)
+    (tmp_path / "train.config").write_text(config_12ax())
     (tmp_path / "out").mkdir()
     lock = tmp_path / "out" / "model.lock"
     owner = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n"

@@ -144,7 +144,7 @@ def test_an_epoch_whose_record_fails_is_trained_again_and_recorded_once(tmp_path
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a full disk) needs root")
 def test_a_full_disk_is_one_line_naming_the_file_and_the_free_space(tmp_path):
-    from test_cli import SMALL_CONFIG
+    from conftest import config_12ax
 
     full = tmp_path / "full"
     full.mkdir()
@@ -156,7 +156,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_free_space(tmp_path):
                     f.write(b"\0" * 4096)
             except OSError:
                 pass
-        (tmp_path / "train.config").write_text(SMALL_CONFIG.replace('model = "out/model"', 'model = "full/model"'))
+        (tmp_path / "train.config").write_text(config_12ax(model="full/model"))
         result = run_cli(["train.config", "++num_epochs", "1"], cwd=tmp_path)
         assert result.returncode == 1, result.stderr[-3000:]
         errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]

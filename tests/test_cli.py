@@ -11,31 +11,10 @@ import time
 import numpy
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, config_12ax, run_cli
 
 DEMO = os.path.join(REPO, "demos", "demo-local-sgd.12ax.config")
 
-SMALL_CONFIG = """#!returnn-tpu
-task = "train"
-train = {"class": "Task12AXDataset", "num_seqs": 40}
-dev = {"class": "Task12AXDataset", "num_seqs": 10, "fixed_random_seed": 1}
-num_inputs = 9
-num_outputs = 2
-batch_size = 300
-max_seqs = 5
-network = {
-    "fw0": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"},
-    "output": {"class": "softmax", "loss": "ce", "from": "fw0"},
-}
-optimizer = {"class": "adam"}
-learning_rate = 0.01
-model = "out/model"
-learning_rate_file = "out/lr"
-num_epochs = 3
-log_verbosity = 3
-distribute_strategy = "local_sgd"
-distribute_options = {"num_replicas": 2, "param_sync_step": 2}
-"""
 
 
 def read_metrics(path):
@@ -93,7 +72,7 @@ def tensorboard_tags(folder, pattern):
 
 @pytest.mark.slow
 def test_killed_run_resumes_from_last_checkpoint(tmp_path):
-    (tmp_path / "train.config").write_text(SMALL_CONFIG)
+    (tmp_path / "train.config").write_text(config_12ax())
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config", "++num_epochs", "100"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -123,11 +102,8 @@ def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
     run ends (``mirrored``: no sync at the stop that an uninterrupted run would not make)."""
     from returnn_tpu import checkpoints
 
-    config = SMALL_CONFIG.replace('train = {"class": "Task12AXDataset", "num_seqs": 40}',
-                                  'train = {"class": "Task12AXDataset", "num_seqs": 250}')
-    config = config.replace('distribute_strategy = "local_sgd"', 'distribute_strategy = "mirrored"')
-    config = config.replace('"num_replicas": 2, "param_sync_step": 2', '"num_replicas": 2').replace(
-        "num_epochs = 3", "num_epochs = 1")
+    config = config_12ax(train={"class": "Task12AXDataset", "num_seqs": 250}, distribute_strategy="mirrored",
+                         distribute_options={"num_replicas": 2}, num_epochs=1)
     for run in ("stopped", "uninterrupted"):
         (tmp_path / run).mkdir()
         (tmp_path / run / "train.config").write_text(config)
@@ -173,7 +149,7 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("line,option", BAD_INPUT, ids=[b[0].split("=", 1)[1].strip() for b in BAD_INPUT])
 def test_bad_input_is_a_one_line_error(tmp_path, line, option):
-    (tmp_path / "train.config").write_text(SMALL_CONFIG + "\n" + line + "\nlog = 'out/train.log'\n")
+    (tmp_path / "train.config").write_text(config_12ax() + line + "\nlog = 'out/train.log'\n")
     result = run_cli(["train.config"], cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [l for l in result.stderr.splitlines() if l.startswith("returnn-tpu: error:")]
@@ -205,8 +181,8 @@ LATE_BAD_INPUT = [  # found once TensorFlow or the datasets are up: still status
                          ids=["num_inputs", "no_mpi_library", "no_train_seqs", "no_dev_seqs", "no_hdf_file",
                               "missing_layer", "garbage_lr_file"])
 def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
-    config = SMALL_CONFIG.replace("num_inputs = 9\n", "") if line.startswith("num_inputs") else SMALL_CONFIG
-    (tmp_path / "train.config").write_text(config + "\n" + line + "\nlog = 'out/train.log'\n")
+    config = config_12ax(num_inputs=None) if line.startswith("num_inputs") else config_12ax()
+    (tmp_path / "train.config").write_text(config + line + "\nlog = 'out/train.log'\n")
     result = run_cli(["train.config"], cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [l for l in result.stderr.splitlines() if l.startswith("returnn-tpu: error:")]
@@ -219,7 +195,7 @@ def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
 @pytest.mark.slow
 def test_other_tasks_run_plain_returnn_on_our_checkpoint(tmp_path):
     """``++task eval`` is handed to plain RETURNN, which loads the checkpoint returnn-tpu wrote."""
-    (tmp_path / "train.config").write_text(SMALL_CONFIG)
+    (tmp_path / "train.config").write_text(config_12ax())
     assert run_cli(["train.config", "++num_epochs", "1"], cwd=tmp_path).returncode == 0
     result = run_cli(["train.config", "++task", "eval", "++load_epoch", "1"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -263,7 +239,7 @@ def test_distribute_options_given_on_the_command_line(tmp_path):
     from returnn_tpu.errors import ConfigError
     from returnn_tpu.startup import load_config
 
-    (tmp_path / "train.config").write_text(SMALL_CONFIG.replace("distribute_options", "_unused"))
+    (tmp_path / "train.config").write_text(config_12ax(distribute_options=None))
     config = load_config(str(tmp_path / "train.config"),
                          ["++distribute_options", "{'num_replicas': 3, 'data_producer': 'thread'}"])
     options = distribute_options_from_config(config)

@@ -11,40 +11,23 @@ import time
 import numpy
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, Code, config_12ax, run_cli
 from returnn_tpu import checkpoints
 
-CONFIG = """#!returnn-tpu
-import json, os
-_worker = json.loads(os.environ.get("TF_CONFIG", "{{}}")).get("task", {{}}).get("index", 0)
-train = {{"class": "Task12AXDataset", "num_seqs": {num_seqs}}}
-dev = {{"class": "Task12AXDataset", "num_seqs": 20, "fixed_random_seed": 1}}
-num_inputs = 9
-num_outputs = 2
-batch_size = 300
-max_seqs = 5
-network = {{
-    "fw0": {{"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "data"}},
-    "output": {{"class": "softmax", "loss": "ce", "from": "fw0"}},
-}}
-optimizer = {{"class": "{optimizer}"}}
-learning_rate = {learning_rate}
-model = "out/model"
-learning_rate_file = "out/lr"
-num_epochs = {num_epochs}
-log_verbosity = 3
-distribute_strategy = "{strategy}"
-distribute_options = {options}
-"""
+WORKER_INDEX = (  # the worker's index, for configs whose values differ between workers
+    'import json, os\n_worker = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)\n')
 
 OPTIMIZER_SLOTS = ("/Adam", "/Adam_1", "/Momentum")
 
 
 def write_config(path, *, strategy="local_sgd", num_seqs="60", num_epochs=2, optimizer="adam", learning_rate=0.01,
                  options=None):
+    """The tests' 12AX config for workers; ``num_seqs`` is Python (it may depend on ``_worker``)."""
     options = options or {"param_sync_step": 3, "startup_timeout": 120, "collective_timeout": 120}
-    path.write_text(CONFIG.format(strategy=strategy, num_seqs=num_seqs, num_epochs=num_epochs, optimizer=optimizer,
-                                  learning_rate=learning_rate, options=repr(options)))
+    path.write_text(config_12ax(
+        WORKER_INDEX, train=Code(f'{{"class": "Task12AXDataset", "num_seqs": {num_seqs}}}'),
+        dev={"class": "Task12AXDataset", "num_seqs": 20, "fixed_random_seed": 1}, optimizer={"class": optimizer},
+        learning_rate=learning_rate, num_epochs=num_epochs, distribute_strategy=strategy, distribute_options=options))
 
 
 def checkpoint_params(prefix):
@@ -253,7 +236,8 @@ def test_workers_with_different_networks_are_named(tmp_path):
     """Worker 1's config builds another network (its LSTM is wider): one line naming worker 1, exit 2,
     at the first step, not TensorFlow's shape mismatch in the first sync."""
     write_config(tmp_path / "train.config", num_epochs=1)
-    config = (tmp_path / "train.config").read_text().replace('"n_out": 8,', '"n_out": 8 + _worker,')
+    config = (tmp_path / "train.config").read_text().replace("'n_out': 8,", "'n_out': 8 + _worker,")
+    assert "8 + _worker" in config
     (tmp_path / "train.config").write_text(config)
     result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]

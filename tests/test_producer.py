@@ -9,11 +9,20 @@ import time
 
 import pytest
 
-from conftest import run_cli
-from test_cli import SMALL_CONFIG
+from conftest import Code, config_12ax, run_cli
 
-PRODUCER_CONFIG = SMALL_CONFIG.replace('"num_seqs": 40}', '"num_seqs": 37}').replace(
-    'distribute_options = {"num_replicas": 2, "param_sync_step": 2}', 'distribute_options = {}')
+
+def producer_config(num_seqs: int = 37, map_seq: str = "") -> str:
+    """The tests' 12AX config with ``num_seqs`` training sequences on the default strategy's
+    options; with ``map_seq`` (the Python lines of a function ``_map_seq``), the sequences pass
+    through it in a ``PostprocessingDataset``."""
+    train = {"class": "Task12AXDataset", "num_seqs": num_seqs}
+    if map_seq:
+        train = Code(f'{{"class": "PostprocessingDataset", "dataset": {train!r}, "map_seq": _map_seq}}')
+    return config_12ax(map_seq, train=train, distribute_options={})
+
+
+PRODUCER_CONFIG = producer_config()
 
 
 def _setup(tmp_path, text=PRODUCER_CONFIG):
@@ -86,7 +95,7 @@ def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path)
     from returnn_tpu.data import BatchingOptions
     from returnn_tpu.producer import LIVENESS_SECONDS, DataProducer, ProducerError
 
-    path, config, extern_data = _setup(tmp_path, PRODUCER_CONFIG.replace('"num_seqs": 37}', '"num_seqs": 400}'))
+    path, config, extern_data = _setup(tmp_path, producer_config(400))
     producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
                             prefetch=2)
     epoch = producer.epoch(epoch=1, batching=BatchingOptions(config), data_keys=["classes", "data"], recurrent=True,
@@ -107,16 +116,13 @@ def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path)
 def test_a_failing_producer_stops_training_with_its_error(tmp_path):
     """A dataset that raises in the producer (a config function of PostprocessingDataset):
     training stops with that error, exit status 1, and the epoch is not saved."""
-    config = PRODUCER_CONFIG.replace(
-        'train = {"class": "Task12AXDataset", "num_seqs": 37}',
+    config = producer_config(map_seq=(
         '_calls = []\n'
         'def _map_seq(data, **_):\n'
         '    _calls.append(1)\n'
         '    if len(_calls) == 25:\n'
         '        raise ValueError("corrupt feature file for sequence 25")\n'
-        '    return data\n'
-        'train = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 37},'
-        ' "map_seq": _map_seq}')
+        '    return data\n'))
     (tmp_path / "train.config").write_text(config)
     result = run_cli(["train.config"], cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
@@ -131,14 +137,11 @@ def test_a_dataset_slower_than_training_is_named_in_the_log(tmp_path):
     epoch's steps): ``metrics.jsonl`` has the producer's time making each epoch, which it does
     while the epoch before trains, and where the epoch waited for it, the log says after the
     computing-time line that the dataset is the limit."""
-    config = PRODUCER_CONFIG.replace(
-        'train = {"class": "Task12AXDataset", "num_seqs": 37}',
+    config = producer_config(map_seq=(
         'import time\n'
-        'def _slow(data, **_):\n'
+        'def _map_seq(data, **_):\n'
         '    time.sleep(0.03)\n'
-        '    return data\n'
-        'train = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 37},'
-        ' "map_seq": _slow}')
+        '    return data\n'))
     (tmp_path / "train.config").write_text(config)
     result = run_cli(["train.config", "++log", "out/train.log"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -218,14 +221,11 @@ def test_sigterm_while_the_producer_makes_the_first_batch_lists_stops_the_run(tm
 
     from conftest import REPO
 
-    config = PRODUCER_CONFIG.replace(
-        'train = {"class": "Task12AXDataset", "num_seqs": 37}',
+    config = producer_config(1000, map_seq=(
         'import time\n'
-        'def _slow(data, **_):\n'
+        'def _map_seq(data, **_):\n'
         '    time.sleep(0.1)\n'
-        '    return data\n'
-        'train = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 1000},'
-        ' "map_seq": _slow}')
+        '    return data\n'))
     (tmp_path / "train.config").write_text(config)
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config"], cwd=tmp_path, env=env,
