@@ -13,6 +13,7 @@ state or a complete checkpoint, never a half one. A ``model.NNN.meta`` file foll
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import re
@@ -84,36 +85,55 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-INTERRUPTED_MARK = ".interrupted"  # <epoch prefix>.interrupted: the model of an epoch stopped by a signal
+INTERRUPTED_MARK = ".interrupted"  # <epoch prefix>.interrupted: the model of an epoch stopped early
 _EPOCH_KEY = "returnn_tpu/interrupted_epoch"
 _STEPS_KEY = "returnn_tpu/interrupted_steps_done"
+_REPLICAS_KEY = "returnn_tpu/interrupted_num_replicas"  # the replicas that trained those steps
 
 
 class ResumePoint(NamedTuple):
     """Where a run starts: the first epoch to train, its first step (after an interruption there),
-    and the checkpoint to load once the variables exist (None: a fresh start)."""
+    the checkpoint to load once the variables exist (None: a fresh start), and how many replicas
+    trained the steps before the first (None: as many as now)."""
 
     epoch: int
     first_step: int
     prefix: Optional[str]
     interrupted: bool
+    replicas_before: Optional[int] = None
+
+
+class SyncPoint(NamedTuple):
+    """Where every worker's copies were last combined: in ``epoch`` after ``steps_done`` of its
+    steps, ``updates`` updates since the run began."""
+
+    epoch: int
+    steps_done: int
+    updates: int
 
 
 class Interrupted(NamedTuple):
-    """A checkpoint written when a signal stopped an epoch: resume continues that epoch there."""
+    """A checkpoint written when an epoch stopped early (a signal, a time limit, a lost worker):
+    resume continues that epoch after ``steps_done`` steps, which ``num_replicas`` replicas trained
+    (None in checkpoints written before that was recorded)."""
 
     prefix: str
     epoch: int
     steps_done: int
+    num_replicas: Optional[int] = None
 
 
 def save_interrupted(model_filename: str, prefix: str, variables: Mapping[str, tf.Variable], *, epoch: int,
-                     steps_done: int):
+                     steps_done: int, num_replicas: Optional[int] = None):
     """Writes ``prefix`` (an epoch's prefix + :data:`INTERRUPTED_MARK`): the model of an epoch
-    stopped after ``steps_done`` steps, with those two numbers, and removes any older interrupted
-    checkpoint of ``model_filename``. RETURNN's own resume ignores the file (its name is no
-    epoch's); ``TFNetwork.load_params_from_file`` reads it as any checkpoint."""
-    save(prefix, {**variables, _EPOCH_KEY: tf.constant(epoch, tf.int64), _STEPS_KEY: tf.constant(steps_done, tf.int64)})
+    stopped after ``steps_done`` steps of ``num_replicas`` replicas, with those numbers, and
+    removes any older interrupted checkpoint of ``model_filename``. RETURNN's own resume ignores
+    the file (its name is no epoch's); ``TFNetwork.load_params_from_file`` reads it as any
+    checkpoint."""
+    marks = {_EPOCH_KEY: tf.constant(epoch, tf.int64), _STEPS_KEY: tf.constant(steps_done, tf.int64)}
+    if num_replicas is not None:
+        marks[_REPLICAS_KEY] = tf.constant(num_replicas, tf.int64)
+    save(prefix, {**variables, **marks})
     remove_interrupted(model_filename, keep=prefix)
 
 
@@ -128,7 +148,9 @@ def interrupted(model_filename: str, start_epoch: int) -> Optional[Interrupted]:
     found = []
     for prefix in _interrupted_prefixes(model_filename):
         reader = tf.train.load_checkpoint(prefix)
-        found.append(Interrupted(prefix, int(reader.get_tensor(_EPOCH_KEY)), int(reader.get_tensor(_STEPS_KEY))))
+        replicas = int(reader.get_tensor(_REPLICAS_KEY)) if reader.has_tensor(_REPLICAS_KEY) else None
+        found.append(Interrupted(prefix, int(reader.get_tensor(_EPOCH_KEY)), int(reader.get_tensor(_STEPS_KEY)),
+                                 replicas))
     found = [entry for entry in found if entry.epoch >= start_epoch]
     return max(found, key=lambda entry: entry.epoch) if found else None
 
@@ -240,7 +262,8 @@ class RunCheckpoints:
     chief (worker 0) writes.
     """
 
-    def __init__(self, config, networks, builder, optimizer, averaging, *, num_epochs: int, chief: bool, log):
+    def __init__(self, config, networks, builder, optimizer, averaging, *, num_epochs: int, num_replicas: int,
+                 chief: bool, log):
         self.config = config
         self.networks = networks
         self.builder = builder
@@ -250,7 +273,9 @@ class RunCheckpoints:
         self.log = log
         self.model_filename = config.value("model", None)  # startup.check_config: set
         self.num_epochs = num_epochs  # the last epoch is always saved
+        self.num_replicas = num_replicas  # of all workers: they train an epoch's steps
         self.save_interval = config.int("save_interval", 1)
+        self.last_sync: Optional[SyncPoint] = None  # see synced()
 
     # ---- names and the resume point -------------------------------------------------------------
 
@@ -297,7 +322,7 @@ class RunCheckpoints:
             os.makedirs(os.path.dirname(os.path.abspath(self.model_filename)), exist_ok=True)
         found = self.interrupted(start_epoch)
         if found:
-            return ResumePoint(found.epoch, found.steps_done, found.prefix, True)
+            return ResumePoint(found.epoch, found.steps_done, found.prefix, True, found.num_replicas)
         return ResumePoint(start_epoch, 0, self.newest(), False)
 
     # ---- contents -----------------------------------------------------------------------------
@@ -368,5 +393,38 @@ class RunCheckpoints:
         """The combined model of ``epoch`` stopped after ``steps_done`` steps (chief writes); its prefix."""
         prefix = self.epoch_filename(epoch) + INTERRUPTED_MARK
         if self.chief:
-            save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done)
+            save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done,
+                             num_replicas=self.num_replicas)
+        return prefix
+
+    # ---- the model of the last sync, for a lost worker -------------------------------------------
+
+    def synced(self, epoch: int, steps_done: int, updates: int):
+        """Every worker's copies were combined after ``steps_done`` steps of ``epoch`` (``updates``
+        updates since the run began): the point a survivor of a lost worker goes back to."""
+        self.last_sync = SyncPoint(epoch, steps_done, updates)
+
+    def save_after_peer_loss(self, synced_model: Optional[Mapping[str, tf.Variable]]) -> Optional[str]:
+        """After a worker was lost: this survivor writes the model of the last sync as the
+        interrupted checkpoint of its epoch, with the optimizer state it has, so that resume
+        continues there (docs/faults.md, "A lost worker"). ``synced_model`` is that model (name ->
+        variable; None: the parameters themselves, as with synchronous strategies). Survivors
+        write one after the other (a lock file beside the model); one that finds the checkpoint
+        written, or one as new, writes nothing. Returns the checkpoint's prefix, or None when
+        nothing was trained since the newest epoch's checkpoint."""
+        point = self.last_sync
+        if point is None or point.steps_done == 0:
+            return None
+        prefix = self.epoch_filename(point.epoch) + INTERRUPTED_MARK
+        state = self.state()
+        for name, value in (synced_model or {}).items():
+            if name in state:
+                state[name] = tf.cast(value, state[name].dtype)
+        state["global_step"] = tf.constant(point.updates, tf.int64)  # the updates that count
+        with open(self.model_filename + ".interrupted.lock", "a") as lock:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+            written = interrupted(self.model_filename, point.epoch)
+            if not written or (written.epoch, written.steps_done) < (point.epoch, point.steps_done):
+                save_interrupted(self.model_filename, prefix, state, epoch=point.epoch, steps_done=point.steps_done,
+                                 num_replicas=self.num_replicas)
         return prefix

@@ -6,8 +6,9 @@
 (:mod:`returnn_tpu.selfcheck`).
 
 Exit status: 0 on success, 2 for bad input (one line on stderr naming the option; nothing is
-written), 1 for a failure during training, 128 + N when signal N (SIGTERM, SIGINT, SIGHUP)
-stopped it at a step boundary.
+written), 1 for a failure during training, 75 when the run stopped early and running the same
+command continues it (a lost worker, whose survivors saved the model of the last sync; the
+``time_limit``), 128 + N when signal N (SIGTERM, SIGINT, SIGHUP) stopped it at a step boundary.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ environment variables:
   TF_XLA_FLAGS               TensorFlow's XLA flags (with jit_compile, a persistent cache beside the model is added)
 
 exit status: 0 success; 2 bad input (one line naming the option, nothing written); 1 a failure during
-training; 128 + N stopped by signal N at a step boundary (the combined model saved: run the same command)."""
+training; 75 stopped early, run the same command again to continue (a worker was lost and the model of
+the last sync saved; distribute_options['time_limit']); 128 + N stopped by signal N at a step boundary
+(the combined model saved: run the same command)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -229,13 +232,15 @@ def train(filename: str, overrides: List[str]) -> int:
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
+        status = 1
         try:
-            return _training_failure(exc, cluster)
+            status = _training_failure(exc, cluster)
+            return status
         finally:
             if lock:
                 lock.release()
             if cluster and cluster.kind == "mpi" and cluster.num_workers > 1 and not isinstance(exc, Stopped):
-                _abort_mpi_job()
+                _abort_mpi_job(status)
     finally:
         if lock:
             lock.release()
@@ -271,42 +276,43 @@ def _has_gpus() -> bool:
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def _abort_mpi_job():
+def _abort_mpi_job(status: int):
     """Under ``mpirun``, a rank that fails ends the whole job: ``MPI_Abort`` has ``mpirun`` kill
     every rank (a hung one too), where a normal exit would wait in ``MPI_Finalize`` for a peer
-    that never comes (FACTS.md, "MPI")."""
+    that never comes (FACTS.md, "MPI"); ``mpirun`` then exits with ``status``."""
     from returnn_tpu.cluster.mpi import import_mpi
 
     sys.stdout.flush()
     sys.stderr.flush()
-    import_mpi().COMM_WORLD.Abort(1)
+    import_mpi().COMM_WORLD.Abort(status)
 
 
 def _training_failure(exc: Exception, cluster) -> int:
     """One line and the exit status for the failures training reports so (see module doc);
     re-raises any other exception."""
-    import tensorflow as tf
-
     from returnn_tpu import checkpoints
     from returnn_tpu.producer import ProducerError
     from returnn_tpu.reporting import RecordWriteError
-    from returnn_tpu.faults import NonFiniteScore, Stopped
+    from returnn_tpu.errors import RESUMABLE_STATUS
+    from returnn_tpu.faults import PEER_LOSS_ERRORS, NonFiniteScore, PeerLost, Stopped
 
     if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)
-        return 128 + exc.signum
+        return exc.status
     if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError, RecordWriteError,
                         ProducerError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
-    if not isinstance(exc, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)) \
-            or not (cluster and cluster.num_workers > 1):
+    saved = ""
+    if isinstance(exc, PeerLost):
+        exc, saved = exc.cause, f"; {exc.where}"
+    if not isinstance(exc, PEER_LOSS_ERRORS) or not (cluster and cluster.num_workers > 1):
         raise exc
     lost = ", ".join(cluster.workers_named_in(exc.message)) or "another worker"
     reason = exc.message.strip().splitlines()[0]
     print(f"returnn-tpu: error: worker {cluster.worker_index}: lost {lost} in a collective "
-          f"(it died, hangs, or is unreachable): {reason}", file=sys.stderr)
-    return 1
+          f"(it died, hangs, or is unreachable): {reason}{saved}", file=sys.stderr)
+    return RESUMABLE_STATUS
 
 
 if __name__ == "__main__":

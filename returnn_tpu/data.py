@@ -364,6 +364,7 @@ class EpochBatches:
         self.num_slots = num_slots or len(self.slots)
         self.prefetch = prefetch
         self.first_step = 0
+        self.batch_offset = 0  # see start_at
         self.batching = batching
         self.batch_lists = []
         start = time.perf_counter()
@@ -387,11 +388,23 @@ class EpochBatches:
         """Ends the epoch after ``num_steps`` steps (e.g. the minimum all workers can do)."""
         self.num_steps = min(self.num_steps, num_steps)
 
-    def start_at(self, step: int):
+    def start_at(self, step: int, batch_offset: int = 0):
         """Skips the first ``step`` steps (an epoch continued after an interruption); their
         batches are not loaded. Batch lists depend only on the epoch, so the rest is what the
-        interrupted run would have trained."""
+        interrupted run would have trained.
+
+        ``batch_offset`` (a dealt dataset only): step ``s`` takes the batches from index
+        ``batch_offset + s * num_slots``, to continue an epoch that another number of replicas
+        began at any batch. The dealt list holds whole steps, so from an offset the last
+        step would be incomplete: the epoch has one step fewer (``num_slots - batch_offset``
+        batches of its end are left out).
+        """
         self.first_step = step
+        if batch_offset:
+            if len(self.datasets) > 1:
+                raise ValueError("a batch offset needs one dataset dealt to the replicas")
+            self.batch_offset = batch_offset
+            self.num_steps = min(self.num_steps, (len(self.batch_lists[0]) - batch_offset) // self.num_slots)
 
     def _raw_batch(self, dataset, batch) -> Batch:
         from returnn.engine.batch import batch_to_raw_dict
@@ -412,7 +425,7 @@ class EpochBatches:
         dataset, batches = self.datasets[0], self.batch_lists[0]
         out, weights = [], []
         for slot in self.slots:
-            index = step * self.num_slots + slot
+            index = self.batch_offset + step * self.num_slots + slot
             if index < len(batches):
                 out.append(self._raw_batch(dataset, batches[index]))
                 weights.append(1.0)

@@ -144,6 +144,32 @@ class EpochData:
         makes them."""
         return self._batches(self.train_datasets, epoch, train=True, while_waiting=while_waiting)
 
+    def continue_epoch(self, batches, steps_done: int, replicas_before: Optional[int] = None) -> Tuple[int, str]:
+        """Has ``batches`` (an epoch's training batches) continue after ``steps_done`` steps that
+        ``replicas_before`` replicas trained (None: as many as now); returns the step it continues
+        at, and what that means when the number of replicas changed (for the log; else "").
+
+        With each replica walking its own copy of the data (``random_seed_offset``), every
+        replica continues its own walk at that step (replicas that are new begin theirs there).
+        With the batches dealt to the replicas (``shard``), the rest of the epoch (from batch
+        ``steps_done * replicas_before`` on) is dealt to the replicas there are now; when that is
+        no whole number of steps, up to ``num_replicas - 1`` batches at the epoch's end are left
+        out (docs/faults.md, "Resuming on other workers").
+        """
+        replicas = f"{self.num_replicas} replica{'s' if self.num_replicas > 1 else ''}"
+        if not replicas_before or replicas_before == self.num_replicas or steps_done == 0:
+            batches.start_at(steps_done)
+            return steps_done, ""
+        if self.options.dataset_distribution == "random_seed_offset":
+            batches.start_at(steps_done)
+            return steps_done, (f"continues at step {steps_done + 1} ({replicas_before} replicas trained its first "
+                                f"{steps_done} steps): each of the {replicas} continues its own walk through the data")
+        done = steps_done * replicas_before
+        step, offset = divmod(done, self.num_replicas)
+        batches.start_at(step, offset)
+        return step, (f"continues after {done} of its batches ({steps_done} steps of {replicas_before} replicas) "
+                      f"at step {step + 1} of {replicas}")
+
     def eval_batches(self, dataset, epoch: int) -> EpochBatches:
         """This worker's share of ``dataset``'s batches: every batch once over all replicas."""
         return self._batches([dataset], epoch, train=False)

@@ -1,19 +1,31 @@
-"""What stops a run besides its end: non-finite updates, and stop signals.
+"""What stops a run besides its end: non-finite updates, stop signals, a time limit, a lost worker.
 
 The trainer asks :class:`NonFiniteMonitor` every ``NONFINITE_CHECK_STEPS`` steps and before every
 sync and checkpoint, so no copy, average or checkpoint is ever non-finite; :class:`StopRequest`
-holds a signal until the next step boundary, where the trainer writes the interrupted epoch's
-checkpoint and raises :class:`Stopped`.
+holds a signal, or the coming time limit, until the next step boundary, where the trainer writes
+the interrupted epoch's checkpoint and raises :class:`Stopped`. A collective that fails because a
+worker is gone (:data:`PEER_LOSS_ERRORS`) becomes :class:`PeerLost` once the survivor has saved
+the model of the last sync.
+
+Exit statuses (cli.py): :data:`RESUMABLE_STATUS` when the run stopped early and running the same
+command continues it (a lost worker, the time limit); ``128 + N`` for a stop by signal N.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Optional
+
+import tensorflow as tf
+
+from returnn_tpu.errors import RESUMABLE_STATUS
 
 NONFINITE_CHECK_STEPS = 50  # how often the device's non-finite counts are read (and, multi-worker, shared)
 STOP_CHECK_STEPS = 10  # with several workers, how often they agree whether one was asked to stop
+# What a collective raises when a worker is gone (dead, hung past the health check, unreachable).
+PEER_LOSS_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
 
 
 class NonFiniteScore(RuntimeError):
@@ -25,11 +37,29 @@ class NonFiniteUpdate(NonFiniteScore):
 
 
 class Stopped(RuntimeError):
-    """Training stopped at a step boundary because the process got a signal (SIGTERM, SIGINT, SIGHUP)."""
+    """Training stopped at a step boundary because the process got a signal (SIGTERM, SIGINT,
+    SIGHUP; ``signum``), or before its time limit (``signum`` None)."""
 
-    def __init__(self, message: str, signum: int):
+    def __init__(self, message: str, signum: Optional[int]):
         super().__init__(message)
         self.signum = signum
+
+    @property
+    def status(self) -> int:
+        """The exit status: 128 + the signal, or :data:`RESUMABLE_STATUS` at the time limit."""
+        return RESUMABLE_STATUS if self.signum is None else 128 + self.signum
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a worker is gone (``cause``, one of :data:`PEER_LOSS_ERRORS`);
+    this survivor saved the model of the last sync to ``prefix`` (None: nothing was trained since
+    the newest checkpoint), where the same command continues."""
+
+    def __init__(self, cause: Exception, prefix: Optional[str], where: str):
+        super().__init__(f"{where}: {cause}")
+        self.cause = cause
+        self.prefix = prefix
+        self.where = where
 
 
 class NonFiniteMonitor:
@@ -70,13 +100,17 @@ class NonFiniteMonitor:
 
 
 class StopRequest:
-    """A stop signal (SIGTERM, SIGINT, SIGHUP), held until a step boundary; with several workers,
-    they agree every ``STOP_CHECK_STEPS`` steps whether any got one."""
+    """A stop signal (SIGTERM, SIGINT, SIGHUP), or a time limit, held until a step boundary; with
+    several workers, they agree every ``STOP_CHECK_STEPS`` steps whether any is to stop.
 
-    def __init__(self, workers, num_workers: int, log):
+    ``stop_at``: the ``time.perf_counter()`` at which the run stops for its time limit (None: none).
+    """
+
+    def __init__(self, workers, num_workers: int, log, stop_at: Optional[float] = None):
         self.workers = workers
         self.num_workers = num_workers
         self.log = log
+        self.stop_at = stop_at
         self.signum: Optional[int] = None
 
     def handle(self, signum: int, _frame=None):
@@ -88,10 +122,15 @@ class StopRequest:
         self.signum = signum
         print(f"returnn-tpu: got signal {signum}; stopping at the next step boundary", file=self.log.v1)
 
-    def due(self, step: int) -> Optional[int]:
-        """Before step ``step``: the signal to stop for (a peer's counts as SIGTERM), or None."""
+    def due(self, step: int) -> Optional[Stopped]:
+        """Before step ``step``: why the run stops here (a :class:`Stopped` without its message; a
+        peer's signal counts as SIGTERM), or None."""
+        late = self.stop_at is not None and time.perf_counter() >= self.stop_at
         if self.num_workers > 1:
-            if step % STOP_CHECK_STEPS or not self.workers.any(self.signum is not None):
+            if step % STOP_CHECK_STEPS or not self.workers.any(self.signum is not None or late):
                 return None
-            return self.signum or signal.SIGTERM
-        return self.signum
+        elif self.signum is None and not late:
+            return None
+        if self.signum is None and late:
+            return Stopped("stopped before the time limit (distribute_options['time_limit'])", None)
+        return Stopped(f"stopped by signal {self.signum or signal.SIGTERM}", self.signum or signal.SIGTERM)

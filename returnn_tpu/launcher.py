@@ -3,11 +3,12 @@
 Each worker gets a ``TF_CONFIG`` for a cluster of N workers on free local ports. Their output
 is streamed with a ``[worker i]`` prefix. The launcher and its workers end together:
 
-* when one worker fails, the others get SIGTERM; when one stopped at a signal (status 128 + N),
-  the others are stopping at the same step boundary and are waited for;
+* when one worker fails (or is killed), the others are waited for: they find it lost at their next
+  collective, save the model of the last sync and exit (status 75); when one stopped at a signal
+  (status 128 + N), the others are stopping at the same step boundary and are waited for;
 * SIGTERM, SIGINT or SIGHUP to the launcher is passed on to every worker;
-* a worker still there :data:`GRACE_SECONDS` after its SIGTERM (hung, or stopped with SIGSTOP)
-  is killed;
+* a worker still there :data:`GRACE_SECONDS` after its SIGTERM, or :data:`LOST_WORKER_SECONDS`
+  after another failed (hung, or stopped with SIGSTOP), is killed;
 * the workers get SIGKILL from the kernel if the launcher itself dies (``PR_SET_PDEATHSIG``).
 
 TensorFlow's gRPC server listens on all interfaces and has no option to bind one address, and
@@ -19,7 +20,8 @@ anything in the machine's own namespace. Where the kernel does not allow it, or 
 
 With ``max_restarts`` K, a job that failed (a worker lost, killed or crashed; not bad input,
 exit status 2, and not a stop by a signal) is started again, all workers on new ports, up to K
-times; each start resumes from the newest checkpoint, as torchrun's ``--max-restarts`` does.
+times; each start resumes from the newest checkpoint (the interrupted one the survivors wrote:
+at most one sync period of work is lost), as torchrun's ``--max-restarts`` does.
 
 Exit status: the first non-zero status of a worker (a worker ended by a signal counts as 1), 0 if
 all succeed, 128 + the signal number when the launcher was stopped by a signal.
@@ -40,7 +42,13 @@ import threading
 import time
 from typing import List, Optional
 
+from returnn_tpu.errors import RESUMABLE_STATUS
+
 GRACE_SECONDS = 20.0  # from SIGTERM to SIGKILL
+# From a worker's failure to SIGKILL of the others: they find it lost within the peer health
+# check's bound (20 s, returnn_tpu.strategies.multi_worker) at their next collective (within
+# 10 steps), then save the model of the last sync.
+LOST_WORKER_SECONDS = 60.0
 # The signals that stop training at a step boundary with the combined model saved (SIGHUP: a
 # closed terminal or ssh session, and some batch systems' warning before a kill).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -103,18 +111,18 @@ def die_with_parent():
         pass
 
 
-def _stop(workers: List[subprocess.Popen], signum: Optional[int] = signal.SIGTERM):
+def _stop(workers: List[subprocess.Popen], signum: Optional[int] = signal.SIGTERM, grace: float = GRACE_SECONDS):
     """Sends ``signum`` (None: nothing, they are stopping) to the running workers, then SIGKILL to
-    any still running after the grace period."""
+    any still running after ``grace`` seconds."""
     for proc in workers:
         if proc.poll() is None and signum is not None:
             proc.send_signal(signum)
-    deadline = time.monotonic() + GRACE_SECONDS
+    deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(proc.poll() is None for proc in workers):
         time.sleep(0.1)
     for index, proc in enumerate(workers):
         if proc.poll() is None:
-            print(f"returnn-tpu: worker {index} still running {GRACE_SECONDS:.0f} s after the job stopped; killed",
+            print(f"returnn-tpu: worker {index} still running {grace:.0f} s after the job stopped; killed",
                   file=sys.stderr, flush=True)
             proc.kill()
 
@@ -171,7 +179,8 @@ def _run_once(num_workers: int, args: List[str]) -> int:
             failed = [proc.returncode for proc in workers if proc.returncode not in (None, 0)]
             if failed:
                 status = failed[0] if failed[0] > 0 else 1
-                _stop(workers, None if status > 128 else signal.SIGTERM)
+                # Stopping at a signal, or a survivor that saved: the others are doing the same.
+                _stop(workers, None, GRACE_SECONDS if status > 128 or status == RESUMABLE_STATUS else LOST_WORKER_SECONDS)
                 break
             time.sleep(0.2)
     finally:

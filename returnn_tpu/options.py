@@ -41,6 +41,20 @@ def _positive_number(name: str, value: Any) -> float:
     return float(value)
 
 
+def _seconds(name: str, value: Any) -> float:
+    """A duration as SGE and SLURM write one (``"H:MM:SS"``, ``"MM:SS"``) or a number of seconds."""
+    if isinstance(value, str):
+        parts = value.split(":")
+        if 1 <= len(parts) <= 3 and all(part.isdigit() for part in parts):
+            seconds = 0
+            for part in parts:
+                seconds = seconds * 60 + int(part)
+            if seconds > 0:
+                return float(seconds)
+        raise ConfigError(f"distribute_options[{name!r}] must be seconds > 0 or 'H:MM:SS', got {value!r}")
+    return _positive_number(name, value)
+
+
 def _one_of(name: str, value: Any, valid: tuple) -> str:
     if value not in valid:
         raise ConfigError(f"distribute_options[{name!r}] must be one of {', '.join(map(repr, valid))}, got {value!r}")
@@ -84,6 +98,11 @@ class DistributeOptions:
         that serves all workers over TCP (the dataset is read once per epoch across the
         cluster), or ``"thread"``, a thread of the training process.
     :ivar data_prefetch: how many steps' batches are read ahead of training.
+    :ivar time_limit: the job's run-time limit in seconds from the start of the process (SGE's
+        ``-l h_rt``, SLURM's ``--time``; also as ``"H:MM:SS"``). ``stop_before_time_limit``
+        seconds before it, training stops at a step boundary with an interrupted checkpoint and
+        exit status 75, which means "run the same command again" (docs/faults.md).
+    :ivar stop_before_time_limit: see ``time_limit``: time enough to save and exit.
     """
 
     strategy: str = DEFAULT_STRATEGY
@@ -105,6 +124,8 @@ class DistributeOptions:
     skip_nonfinite_steps: bool = False
     data_producer: str = "process"
     data_prefetch: int = 4
+    time_limit: Optional[float] = None
+    stop_before_time_limit: float = 300.0
 
     def in_force(self) -> dict:
         """Every option with the value it has in this run (for ``metrics.jsonl``)."""
@@ -159,6 +180,15 @@ class DistributeOptions:
             kwargs["data_producer"] = _one_of("data_producer", options["data_producer"], DATA_PRODUCERS)
         if "data_prefetch" in options:
             kwargs["data_prefetch"] = _positive_int("data_prefetch", options["data_prefetch"])
+        if options.get("time_limit") is not None:
+            kwargs["time_limit"] = _seconds("time_limit", options["time_limit"])
+        if "stop_before_time_limit" in options:
+            kwargs["stop_before_time_limit"] = _positive_number("stop_before_time_limit",
+                                                                options["stop_before_time_limit"])
+        margin = kwargs.get("stop_before_time_limit", cls.stop_before_time_limit)
+        if kwargs.get("time_limit") is not None and margin >= kwargs["time_limit"]:
+            raise ConfigError(f"distribute_options['stop_before_time_limit'] ({margin:g} s) must be less than "
+                              f"'time_limit' ({kwargs['time_limit']:g} s)")
         if "skip_nonfinite_steps" in options:
             if not isinstance(options["skip_nonfinite_steps"], bool):
                 raise ConfigError("distribute_options['skip_nonfinite_steps'] must be True or False, got "

@@ -210,17 +210,20 @@ class ProducedEpoch:
         self.num_steps = num_steps
         self.making_seconds = making_seconds  # the producer's, also when it made them ahead
         self.first_step = 0
+        self.batch_offset = 0
         self.batching = batching
 
     def limit_steps(self, num_steps: int):
         self.num_steps = min(self.num_steps, num_steps)
 
-    def start_at(self, step: int):
-        self.first_step = step
+    def start_at(self, step: int, batch_offset: int = 0):
+        self.first_step, self.batch_offset = step, batch_offset
+        if batch_offset:  # as EpochBatches.start_at: the dealt list holds whole steps, one fewer from an offset
+            self.num_steps -= 1
 
     def __iter__(self) -> Iterator[Tuple[List[dict], List[float]]]:
         producer = self.producer
-        producer.send("go", (self.first_step, self.num_steps))
+        producer.send("go", (self.first_step, self.num_steps, self.batch_offset))
         finished = False
         try:
             for step in range(self.first_step, self.num_steps):
@@ -638,11 +641,11 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
     results.put(("steps", batches.num_steps, batches.making_seconds))
     for worker in others:
         workers.send(worker, ("steps", batches.num_steps, batches.making_seconds))
-    ((first_step, num_steps),) = expect(commands.recv(), "go", "the steps to make")
+    ((first_step, num_steps, batch_offset),) = expect(commands.recv(), "go", "the steps to make")
     for worker in others:
-        if workers.receive(worker, "go") != (first_step, num_steps):
+        if workers.receive(worker, "go") != (first_step, num_steps, batch_offset):
             raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
-    batches.start_at(first_step)
+    batches.start_at(first_step, batch_offset)
     batches.limit_steps(num_steps)
     stopped = False
     for step_batches, weights in batches:

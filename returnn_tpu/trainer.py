@@ -24,7 +24,8 @@ from returnn_tpu.cluster import Cluster
 from returnn_tpu.current_network import CurrentNetwork
 from returnn_tpu.epochs import EpochData
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.faults import NONFINITE_CHECK_STEPS, NonFiniteMonitor, NonFiniteScore, StopRequest, Stopped
+from returnn_tpu.faults import (NONFINITE_CHECK_STEPS, PEER_LOSS_ERRORS, NonFiniteMonitor, NonFiniteScore, PeerLost,
+                                StopRequest, Stopped)
 from returnn_tpu.networks import EpochNetworks, learning_rate_control
 from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
@@ -82,7 +83,8 @@ class Trainer:
         self.num_epochs = config.int("num_epochs", 5)
         self.checkpoints = checkpoints.RunCheckpoints(
             config, self.networks, self.builder, self.optimizer, self.syncs.averaging,
-            num_epochs=self.num_epochs, chief=self.cluster.is_chief, log=log,
+            num_epochs=self.num_epochs, num_replicas=self.strategy.num_replicas_in_sync, chief=self.cluster.is_chief,
+            log=log,
         )
         self.report = EpochReport(
             config, log, self.learning_rate_control, model_filename=self.checkpoints.model_filename,
@@ -91,11 +93,14 @@ class Trainer:
                            "num_replicas": self.steps.num_replicas, "distribute_options": options.in_force()},
         )
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
-        self.stop_request = StopRequest(self.workers, self.cluster.num_workers, log)  # cli.py installs its handler
+        stop_at = (returnn_tpu.STARTED + options.time_limit - options.stop_before_time_limit
+                   if options.time_limit else None)
+        self.stop_request = StopRequest(self.workers, self.cluster.num_workers, log, stop_at)  # cli.py: its handler
         self.nonfinite = NonFiniteMonitor(self.workers, skip=options.skip_nonfinite_steps,
                                           num_workers=self.cluster.num_workers, log=log)
         self._stepped = False  # whether this process has made a train step
         self._resume_prefix: Optional[str] = None  # the checkpoint to restore once the variables exist
+        self._epoch_position: Optional[Tuple[int, int]] = None  # the epoch in training and its first step
 
     @property
     def steps(self):
@@ -118,6 +123,8 @@ class Trainer:
             self.batches_trained = int(self.optimizer.step.numpy()) * self.batches_per_update
             self.network.created_in_epoch = 0
         self.syncs.at_network_start(self.steps)
+        if self._epoch_position:
+            self.checkpoints.synced(*self._epoch_position, self.batches_trained // self.batches_per_update)
 
     def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
         """Every parameter of the network (RETURNN names) as its value on each of this worker's replicas."""
@@ -153,11 +160,15 @@ class Trainer:
             print(f"returnn-tpu: {line}", file=self.log.v2)
         self.network.created_in_epoch = start.epoch - 1
         self._resume_prefix = start.prefix
-        first_step = start.first_step
+        first_step, replicas_before = start.first_step, start.replicas_before
         try:
             for epoch in range(start.epoch, self.num_epochs + 1):
-                self.train_epoch(epoch, first_step)
+                self.train_epoch(epoch, first_step, replicas_before)
                 first_step = 0
+        except PEER_LOSS_ERRORS as exc:
+            if self.cluster.num_workers == 1 or not self.network.built:
+                raise
+            raise self._save_after_peer_loss(exc) from exc
         finally:
             self.close()
         if self.cluster.is_chief:
@@ -187,9 +198,12 @@ class Trainer:
         """Ends the dataset producer process, if there is one."""
         self.data.close()
 
-    def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None):
+    def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None,
+                   at: Optional[Tuple[int, int]] = None):
         """One training step on one batch per local replica, then a local-SGD sync if one is due
-        (in the step itself on the in-step path).
+        (in the step itself on the in-step path). ``at``: the epoch and the index of this step in
+        it; a sync of all workers marks the point after it as the one a lost worker sends the
+        run back to (:meth:`RunCheckpoints.synced`).
 
         Returns the step's per-replica metrics (see :func:`loss_metrics`).
         """
@@ -208,12 +222,14 @@ class Trainer:
         due = self.syncs.due()
         metrics = self.steps.train(step_batches, learning_rate, due)
         stats.sync_bytes += self.steps.gradient_bytes  # synchronous strategies: the gradients
-        self.syncs.after_update(self.steps, due, learning_rate, stats)
+        if self.syncs.after_update(self.steps, due, learning_rate, stats) and at:
+            self.checkpoints.synced(at[0], at[1] + 1, self.batches_trained // self.batches_per_update)
         return metrics
 
-    def train_epoch(self, epoch: int, first_step: int = 0):
-        """One epoch from step ``first_step`` (after an interruption there): train steps with
-        periodic syncs, final sync, checkpoint, dev scores, logs."""
+    def train_epoch(self, epoch: int, first_step: int = 0, replicas_before: Optional[int] = None):
+        """One epoch from step ``first_step`` (after an interruption there, of ``replicas_before``
+        replicas if not as many as now): train steps with periodic syncs, final sync, checkpoint,
+        dev scores, logs."""
         self.use_network_of_epoch(epoch)
         learning_rate = self.networks.learning_rate(epoch, self.learning_rate_control)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
@@ -223,14 +239,18 @@ class Trainer:
         progress = StepProgress(self.log, prefix, self.exp_loss) if self.log.verbose[5] else None
         start = time.perf_counter()
         batches = self.data.train_batches(epoch, while_waiting=lambda: self._stop_while_waiting(epoch))
-        batches.start_at(first_step)
+        first_step, note = self.data.continue_epoch(batches, first_step, replicas_before)
+        if note:
+            print(f"returnn-tpu: epoch {epoch} {note}", file=self.log.v2)
+        self._epoch_position = (epoch, first_step)  # where the network's start makes one model
+        self.checkpoints.synced(epoch, first_step, self.batches_trained // self.batches_per_update)  # one model now
         stats.data_making_seconds = batches.making_seconds
         waited_since = start  # making the epoch's batch lists is waiting for data too
         for step, (step_batches, _) in enumerate(self.steps.on_device(batches), start=first_step):
             self._stop_if_requested(epoch, step, stats)
             step_start = time.perf_counter()
             stats.data_wait_seconds += step_start - waited_since
-            metrics = self.train_step(step_batches, learning_rate, stats)
+            metrics = self.train_step(step_batches, learning_rate, stats, at=(epoch, step))
             if not self._stepped:  # the process's first step: what starting took, as the user waited
                 stats.startup_seconds, self._stepped = time.perf_counter() - returnn_tpu.STARTED, True
             scores.add(metrics)
@@ -245,6 +265,7 @@ class Trainer:
                               "longer than max_seq_length); check the dataset and batching options")
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
         self.syncs.at_epoch_end(self.steps, learning_rate, stats)
+        self.checkpoints.synced(epoch, batches.num_steps, self.batches_trained // self.batches_per_update)
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)
         if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
@@ -268,20 +289,31 @@ class Trainer:
         """Before step ``step``: if a stop signal is due on any worker
         (:class:`returnn_tpu.faults.StopRequest`), combines the copies, has the chief write the interrupted epoch's checkpoint
         and raises :class:`Stopped`. Resume continues the epoch at this step."""
-        signum = self.stop_request.due(step)
-        if signum is None:
+        stop = self.stop_request.due(step)
+        if stop is None:
             return
-        where = f"stopped by signal {signum} in {self.epoch_name(epoch)} before step {step + 1}"
+        where = f"{stop} in {self.epoch_name(epoch)} before step {step + 1}"
         previous = self.checkpoints.epoch_filename(epoch - 1) if epoch > 1 else None
         if not self.network.built or (step == 0 and previous and os.path.exists(previous + ".index")):
             raise Stopped(f"{where}; nothing was trained since the newest checkpoint: run the same command to "
-                          "resume", signum)
+                          "resume", stop.signum)
         self.check_nonfinite(epoch, stats)  # no replica's copy is non-finite
         self.sync(stats)
         prefix = self.checkpoints.save_interrupted(epoch, step)
         self.workers.all_workers(0)  # the chief has written it
         raise Stopped(f"{where}; the combined model is in {prefix}: run the same command to continue "
-                      f"{self.epoch_name(epoch)} at step {step + 1}", signum)
+                      f"{self.epoch_name(epoch)} at step {step + 1}", stop.signum)
+
+    def _save_after_peer_loss(self, exc: Exception) -> PeerLost:
+        """A collective failed because a worker is gone: this survivor saves the model of the last
+        sync (:meth:`RunCheckpoints.save_after_peer_loss`); the error to end the run with."""
+        point = self.checkpoints.last_sync
+        prefix = self.checkpoints.save_after_peer_loss(self.syncs.synced_model())
+        if prefix is None:
+            return PeerLost(exc, None, "nothing was trained since the newest checkpoint: run the same command to "
+                                       "resume")
+        return PeerLost(exc, prefix, f"the model of the last sync is in {prefix}: run the same command to continue "
+                                     f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}")
 
     def _stop_while_waiting(self, epoch: int):
         """While the producer makes an epoch's batch lists (minutes, for some datasets): a stop

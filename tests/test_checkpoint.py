@@ -31,8 +31,9 @@ def test_checkpoint_loads_in_plain_returnn(tmp_path, rng, kind):
         checkpoints.save(prefix, trainer.checkpoints.state())
     else:
         prefix = str(tmp_path / "model.001.interrupted")
-        checkpoints.save_interrupted(str(tmp_path / "model"), prefix, trainer.checkpoints.state(), epoch=1, steps_done=3)
-        assert checkpoints.interrupted(str(tmp_path / "model"), 1) == (prefix, 1, 3)
+        checkpoints.save_interrupted(str(tmp_path / "model"), prefix, trainer.checkpoints.state(), epoch=1, steps_done=3,
+                                     num_replicas=2)
+        assert checkpoints.interrupted(str(tmp_path / "model"), 1) == (prefix, 1, 3, 2)
     assert sorted(os.listdir(tmp_path)) == [f"{os.path.basename(prefix)}.data-00000-of-00001",
                                             f"{os.path.basename(prefix)}.index", f"{os.path.basename(prefix)}.meta"]
     # What plain RETURNN does with ``++load PREFIX`` (``python -m returnn CONFIG ++task eval ++load ...``).

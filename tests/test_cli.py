@@ -247,3 +247,25 @@ def test_distribute_options_given_on_the_command_line(tmp_path):
     config = load_config(str(tmp_path / "train.config"), ["++distribute_options", "num_replicas=3"])
     with pytest.raises(ConfigError, match=r"^\+\+distribute_options must be a Python dict"):
         distribute_options_from_config(config)
+
+
+@pytest.mark.slow
+def test_time_limit_stops_with_a_checkpoint_and_the_resubmission_status(tmp_path):
+    """``time_limit`` 40 s, ``stop_before_time_limit`` 15 s: the run stops at a step boundary 25 s
+    after its start with an interrupted checkpoint and exit status 75; the same command (a job
+    script's loop) continues there."""
+    import re
+
+    from returnn_tpu.errors import RESUMABLE_STATUS
+
+    (tmp_path / "train.config").write_text(config_12ax(
+        train={"class": "Task12AXDataset", "num_seqs": 250}, num_epochs=50, distribute_strategy="mirrored",
+        distribute_options={"num_replicas": 2, "time_limit": 40, "stop_before_time_limit": 15}))
+    first = run_cli(["train.config"], cwd=tmp_path)
+    assert first.returncode == RESUMABLE_STATUS, first.stderr[-3000:]
+    stop = re.search(r"returnn-tpu: stopped before the time limit \(distribute_options\['time_limit'\]\) in epoch "
+                     r"(\d+) before step (\d+); the combined model is in out/model\.\d+\.interrupted", first.stderr)
+    assert stop, first.stderr[-3000:]
+    again = run_cli(["train.config"], cwd=tmp_path)
+    assert again.returncode == RESUMABLE_STATUS, again.stderr[-3000:]
+    assert f"start training at epoch {stop.group(1)}, step {stop.group(2)} (interrupted there)" in again.stdout

@@ -216,3 +216,11 @@ def test_the_strategies_table_in_the_readme_is_the_strategy_list():
     names = _first_column_names(README, "## Strategies")
     assert sorted(names) == sorted(STRATEGY_NAMES)
     assert f'`"{DEFAULT_STRATEGY}"` (default)' in open(README).read()
+
+
+@pytest.mark.parametrize("given,seconds", [("4:00:00", 14400.0), ("90:00", 5400.0), ("45", 45.0), (3600, 3600.0)])
+def test_time_limit_reads_as_sge_and_slurm_write_it(given, seconds):
+    from returnn_tpu.options import DistributeOptions
+
+    options = {"time_limit": given, "stop_before_time_limit": 1}
+    assert DistributeOptions.from_config_values("local_sgd", options).time_limit == seconds

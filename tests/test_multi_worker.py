@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO, Code, config_12ax, run_cli
 from returnn_tpu import checkpoints
+from returnn_tpu.errors import RESUMABLE_STATUS
 
 WORKER_INDEX = (  # the worker's index, for configs whose values differ between workers
     'import json, os\n_worker = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)\n')
@@ -292,10 +293,11 @@ def test_worker_dying_during_training_is_named(tmp_path):
     assert len(errors) == 1 and f"lost worker 1 (127.0.0.1:{ports[1]})" in errors[0], stderr[-2000:]
 
 
-def _launch(tmp_path, num_seqs="300", num_epochs=50, launcher_args=(), until="step", **options):
+def _launch(tmp_path, num_seqs="300", num_epochs=50, launcher_args=(), until="step", step=2, **options):
     """``returnn-tpu --local-workers 2`` on a long run; returns the launcher once training is under
-    way: the chief has logged its third step (``until="step"``; a fault injected there lands in the
-    first steps) or written its first checkpoint (``until="checkpoint"``)."""
+    way: the chief has logged step ``step`` (0-based; ``until="step"``: a fault injected there lands
+    in the first steps) or written its first checkpoint (``until="checkpoint"``)."""
+    (tmp_path / "out").mkdir(parents=True, exist_ok=True)
     write_config(tmp_path / "train.config", num_seqs=num_seqs, num_epochs=num_epochs,
                  options={"param_sync_step": 3, "startup_timeout": 120, **options})
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
@@ -306,10 +308,10 @@ def _launch(tmp_path, num_seqs="300", num_epochs=50, launcher_args=(), until="st
     deadline = time.time() + 300
     if until == "step":
         for line in launcher.stdout:
-            if line.startswith("[worker 0] train epoch 1, step 2,"):
+            if line.startswith(f"[worker 0] train epoch 1, step {step},"):
                 return launcher
-            assert time.time() < deadline, "no third step within 300 s"
-        raise AssertionError(f"the job ended before its third step (status {launcher.wait()})")
+            assert time.time() < deadline, f"no step {step} within 300 s"
+        raise AssertionError(f"the job ended before its step {step} (status {launcher.wait()})")
     while not os.path.exists(tmp_path / "out" / "model.001.index"):
         assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
         time.sleep(0.2)
@@ -403,7 +405,7 @@ def test_a_hung_worker_ends_the_job_within_a_bound(tmp_path):
     output, _ = launcher.communicate(timeout=300)
     elapsed = time.time() - start
     print(f"SIGSTOP of worker 1: the job ended after {elapsed:.1f} s")
-    assert launcher.returncode == 1, output[-3000:]
+    assert launcher.returncode == RESUMABLE_STATUS, output[-3000:]  # worker 0 saved, so the same command continues
     assert elapsed < PEER_LOSS_BOUND_SECONDS + GRACE_SECONDS + 10  # no collective_timeout is set
     assert "worker 1 still running" in output and "lost worker 1" in output, output[-3000:]
     assert all(_gone(pid) for pid in workers)
@@ -423,13 +425,80 @@ def test_threads_stay_flat_with_a_sync_every_step(tmp_path):
 
 @pytest.mark.slow
 def test_max_restarts_resumes_the_job_after_a_lost_worker(tmp_path):
+    """kill -9 of worker 1 between two syncs (after updates 10 and 20; the chief has logged step
+    13): the job restarts by itself and continues epoch 1 at the last sync, so at most
+    ``param_sync_step`` updates are lost."""
     import signal
 
-    launcher = _launch(tmp_path, num_seqs="100", num_epochs=4, launcher_args=("--max-restarts", "1"),
-                       until="checkpoint")
+    launcher = _launch(tmp_path, num_seqs="300", num_epochs=2, launcher_args=("--max-restarts", "1"), step=12,
+                       **SYNC_EVERY_10)
     os.kill(_workers_of(launcher)[1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, output[-3000:]
     assert "restarting all 2 workers from the newest checkpoint (1 of 1 restarts)" in output
-    assert re.search(r"start training at epoch [2-4]", output)  # the second start resumed
-    assert os.path.exists(tmp_path / "out" / "model.004.index")
+    assert "start training at epoch 1, step 11 (interrupted there)" in output, output[-3000:]  # 12+ done, 10 kept
+    assert os.path.exists(tmp_path / "out" / "model.002.index")
+
+
+SYNC_EVERY_10 = {"param_sync_step": 10, "dataset_distribution": "shard"}
+
+
+def _plain_returnn_loads(config_path, prefix):
+    """The parameters plain RETURNN's ``TFNetwork`` of the config loads from the checkpoint (as it
+    does for search or forwarding), by name."""
+    import tensorflow as tf
+    from returnn.config import Config
+    from returnn.tf.network import TFNetwork
+
+    config = Config()
+    config.load_file(str(config_path))
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session(graph=graph) as session:
+        net = TFNetwork(config=config, train_flag=False, eval_flag=False)
+        net.construct_from_dict(config.typed_value("network"))
+        net.load_params_from_file(str(prefix), session=session)
+        return {var.op.name: session.run(var) for var in net.get_params_list()}
+
+
+@pytest.mark.slow
+def test_a_killed_worker_costs_at_most_one_sync_period(tmp_path):
+    """kill -9 of worker 1 between two syncs (after updates 10 and 20; the chief has logged step
+    13): worker 0 saves the model of the sync after update 10 as epoch 1's interrupted checkpoint
+    and exits with status 75. That model equals the one an undisturbed run of the same config
+    holds there (a SIGTERM stops it there and saves it; <= 1e-6); plain RETURNN loads it; and it
+    resumes on 1 worker and on 3, the rest of the epoch's batches dealt to their replicas."""
+    import signal
+
+    killed = _launch(tmp_path / "killed", step=12, **SYNC_EVERY_10)
+    os.kill(_workers_of(killed)[1], signal.SIGKILL)
+    output, _ = killed.communicate(timeout=300)
+    assert killed.returncode == RESUMABLE_STATUS, output[-3000:]
+    assert "lost worker 1" in output and ("the model of the last sync is in out/model.001.interrupted: run the same "
+                                          "command to continue epoch 1 at step 11") in output, output[-3000:]
+    found = checkpoints.interrupted(str(tmp_path / "killed" / "out" / "model"), 1)
+    assert (found.epoch, found.steps_done, found.num_replicas) == (1, 10, 2), found
+    assert int(checkpoints.load(found.prefix)["global_step"]) == 10  # the updates that count
+
+    stopped = _launch(tmp_path / "stopped", step=2, **SYNC_EVERY_10)
+    stopped.send_signal(signal.SIGTERM)  # the workers agree every 10 steps: they stop after update 10
+    output, _ = stopped.communicate(timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, output[-3000:]
+    reference = checkpoints.interrupted(str(tmp_path / "stopped" / "out" / "model"), 1)
+    assert reference.steps_done == 10, reference
+    saved, undisturbed = checkpoint_params(found.prefix), checkpoint_params(reference.prefix)
+    assert saved.keys() == undisturbed.keys()
+    for name in saved:
+        numpy.testing.assert_allclose(saved[name], undisturbed[name], atol=1e-6, rtol=0, err_msg=name)
+
+    loaded = _plain_returnn_loads(tmp_path / "killed" / "train.config", found.prefix)
+    assert loaded and all(numpy.array_equal(loaded[name], saved[name]) for name in loaded), sorted(loaded)
+
+    for workers, continues_at in ((1, 21), (3, 7)):  # 20 batches done: 20 steps of 1 replica, 6 of 3 and 2 more
+        run = tmp_path / f"on_{workers}"
+        shutil.copytree(tmp_path / "killed", run)
+        args = ["train.config", "++num_epochs", "1"]
+        resumed = run_cli(args if workers == 1 else ["--local-workers", str(workers), *args], cwd=run)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert (f"epoch 1 continues after 20 of its batches (10 steps of 2 replicas) at step {continues_at} of "
+                f"{workers} replica") in resumed.stdout, resumed.stdout[-3000:]
+        assert os.path.exists(run / "out" / "model.001.index")
+        assert not checkpoints.interrupted(str(run / "out" / "model"), 1)

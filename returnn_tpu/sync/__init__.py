@@ -36,9 +36,11 @@ __all__ = [
 OUTER_OPTIMIZERS = {"nesterov": DiLoCoAveraging, "slowmo": SlowMoAveraging}
 
 
-def make_averaging(options: DistributeOptions) -> ParameterAveraging:
-    """The combination ``distribute_options`` asks for: plain averaging, or an outer optimizer."""
-    common = {"sync_dtype": options.sync_dtype, "optimizer_state_at_sync": options.optimizer_state_at_sync}
+def make_averaging(options: DistributeOptions, keep_synced_model: bool = False) -> ParameterAveraging:
+    """The combination ``distribute_options`` asks for: plain averaging, or an outer optimizer;
+    ``keep_synced_model``: see :class:`ParameterAveraging`."""
+    common = {"sync_dtype": options.sync_dtype, "optimizer_state_at_sync": options.optimizer_state_at_sync,
+              "keep_synced_model": keep_synced_model}
     if options.outer_optimizer is None:
         return ParameterAveraging(**common)
     outer = dict(options.outer_optimizer)
@@ -51,7 +53,8 @@ def make_syncs(options: DistributeOptions, *, local_sgd: bool, local_replicas: i
     """What the loop's sync points do: nothing for synchronous strategies; for local SGD the
     schedule and averaging ``distribute_options`` ask for. ``any_worker(flag)`` is True on every
     worker if it is on any (the time-based schedule's agreement, every 10 updates with several
-    workers)."""
+    workers). With several workers every worker keeps the model of the last sync, which a
+    survivor of a lost peer saves."""
     if not local_sgd:
         return CopiesAlwaysEqual()
     local_step = options.local_param_sync_step if local_replicas > 1 else None
@@ -63,6 +66,6 @@ def make_syncs(options: DistributeOptions, *, local_sgd: bool, local_replicas: i
         any_worker=any_worker,
         time_check_steps=1 if num_workers == 1 else 10,
     )
-    return LocalSGDSyncs(make_averaging(options), schedule,
+    return LocalSGDSyncs(make_averaging(options, keep_synced_model=num_workers > 1), schedule,
                          sync_steps=None if options.param_sync_time_diff else options.param_sync_step,
                          ignored_local_step=bool(options.local_param_sync_step) and local_step is None)

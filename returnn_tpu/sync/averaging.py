@@ -82,18 +82,29 @@ class ParameterAveraging:
         moments) at a sync: ``"keep"`` (each replica continues with its own), ``"average"``
         (replaced by their mean, which doubles Adam's traffic), ``"reset"`` (zero, and the bias
         correction restarts, as for a new optimizer).
+    :param keep_synced_model: keep the model of the last sync (the anchor) also where the sync
+        does not need it: with several workers, a survivor of a lost peer saves it
+        (docs/faults.md, "A lost worker").
     """
 
     uses_anchor = False  # whether every sync needs the model of the last sync (variants: True)
 
-    def __init__(self, sync_dtype: str = "float32", optimizer_state_at_sync: str = "keep"):
+    def __init__(self, sync_dtype: str = "float32", optimizer_state_at_sync: str = "keep",
+                 keep_synced_model: bool = False):
         self.sync_dtype = tf.as_dtype(sync_dtype)
         self.optimizer_state_at_sync = optimizer_state_at_sync
+        self.keep_synced_model = keep_synced_model
         self.anchors: Dict[str, tf.Variable] = {}  # parameter name -> the model of the last sync
 
     @property
-    def keeps_anchor(self) -> bool:
+    def syncs_changes(self) -> bool:
+        """Whether a sync sends each replica's change since the anchor (outer optimizers, and types
+        other than float32), rather than the parameters themselves."""
         return self.uses_anchor or self.sync_dtype != tf.float32
+
+    @property
+    def keeps_anchor(self) -> bool:
+        return self.syncs_changes or self.keep_synced_model
 
     def start_warning(self, param_sync_step: Optional[int]) -> Optional[str]:
         """What a user should know of these settings before training with them, syncing every
@@ -156,7 +167,7 @@ class ParameterAveraging:
         """
         names = sorted(variables)
         params = [variables[name] for name in names]
-        if self.keeps_anchor and outer_step:
+        if self.syncs_changes and outer_step:
             anchors = [self.anchors[name] for name in names]
             changes = [tf.cast(var, tf.float32) - anchor for var, anchor in zip(params, anchors)]
             mean_changes = [tf.cast(m, tf.float32) for m in collective([tf.cast(c, self.sync_dtype) for c in changes])]
@@ -166,7 +177,10 @@ class ParameterAveraging:
             assign_own_copies(strategy, params, new_values)
             assign_own_copies(strategy, anchors, new_values)
         else:
-            assign_own_copies(strategy, params, collective([tf.identity(var) for var in params]))
+            means = collective([tf.identity(var) for var in params])
+            assign_own_copies(strategy, params, means)
+            if self.keeps_anchor and outer_step:
+                assign_own_copies(strategy, [self.anchors[name] for name in names], means)
         if slots and self.optimizer_state_at_sync == "average":
             slot_vars = [slot for name in names for slot in slots.get(name, ())]
             assign_own_copies(strategy, slot_vars, collective([tf.identity(slot) for slot in slot_vars]))

@@ -11,7 +11,9 @@ functions); ``stats`` counts the syncs of the epoch (:class:`returnn_tpu.reporti
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+import tensorflow as tf
 
 from returnn_tpu.sync.averaging import ParameterAveraging
 from returnn_tpu.sync.schedule import SyncDue, SyncSchedule
@@ -26,8 +28,11 @@ class CopiesAlwaysEqual:
         """Before an update: what the update syncs (the in-step path passes it into the step)."""
         return None
 
-    def after_update(self, steps, due: Optional[SyncDue], learning_rate: float, stats):
-        """After an update: the sync ``due`` names, if the step did not make it itself."""
+    def after_update(self, steps, due: Optional[SyncDue], learning_rate: float, stats) -> bool:
+        """After an update: the sync ``due`` names, if the step did not make it itself. Returns
+        whether the workers' copies were combined (a part of them, with fragments): the model a
+        survivor of a lost peer saves moved on."""
+        return True
 
     def at_epoch_end(self, steps, learning_rate: float, stats):
         """Before the epoch's dev evaluation and checkpoint: one model."""
@@ -44,6 +49,11 @@ class CopiesAlwaysEqual:
     def start_notes(self, strategy: str, num_replicas: int) -> List[str]:
         """What a user should know of the syncs before the first step."""
         return []
+
+    def synced_model(self) -> Optional[Dict[str, tf.Variable]]:
+        """The model of the last sync (parameter name -> variable), which every worker holds; None:
+        the parameters themselves (synchronous strategies' copies are always that model)."""
+        return None
 
 
 class LocalSGDSyncs(CopiesAlwaysEqual):
@@ -64,11 +74,15 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
 
     def after_update(self, steps, due, learning_rate, stats):
         if due is None:
-            return
+            return False
         if steps.in_step:  # the step synced: counted, not timed
             stats.add_sync(0.0, steps.sync_bytes(due), local=due.local)
         else:
             self._run(steps, due, learning_rate, stats)
+        return not due.local
+
+    def synced_model(self):
+        return self.averaging.anchors if self.averaging.keeps_anchor else None
 
     def at_epoch_end(self, steps, learning_rate, stats):
         if self.schedule.pending():
