@@ -114,42 +114,44 @@ def test_two_workers_local_sgd_via_mpirun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
-def test_kill_9_of_an_mpi_rank_ends_the_job_and_it_resumes(tmp_path):
-    """kill -9 of rank 1 mid-epoch under ``mpirun -np 2``: the job ends non-zero within a bound,
-    naming the lost rank; the newest complete checkpoint loads in plain RETURNN (``++task eval``
-    runs it); the same command resumes after it."""
+def test_kill_9_of_an_mpi_rank_costs_at_most_one_sync_period(tmp_path):
+    """kill -9 of rank 1 under ``mpirun -np 2`` between two syncs (after updates 10 and 20; rank 0
+    has logged step 13): the job ends non-zero within a bound, naming the lost rank; rank 0 saved
+    the model of the sync after update 10 as epoch 1's interrupted checkpoint, which plain RETURNN
+    loads (``++task eval ++load`` runs it); the same command continues epoch 1 at step 11."""
     import signal
 
-    write_config(tmp_path / "train.config", num_seqs="100", num_epochs=50,
-                 options={"param_sync_step": 3, "cluster_resolver": "mpi", "startup_timeout": 120})
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+    write_config(tmp_path / "train.config", num_seqs="300", num_epochs=2,
+                 options={**SYNC_EVERY_10, "cluster_resolver": "mpi", "startup_timeout": 120})
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
                "train.config"]
-    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(command + ["++log_verbosity", "5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
-    while not os.path.exists(tmp_path / "out" / "model.001.index"):
-        assert job.poll() is None and time.time() < deadline, job.stdout.read()[-3000:]
-        time.sleep(0.2)
+    for line in job.stdout:
+        if line.startswith("[1,0]<stdout>:train epoch 1, step 12,"):
+            break
+        assert time.time() < deadline, "no step 12 within 300 s"
     rank1 = [pid for pid in _descendants(job.pid) if _environ(pid).get("OMPI_COMM_WORLD_RANK") == "1"
              and b"returnn_tpu.cli" in open(f"/proc/{pid}/cmdline", "rb").read()]  # not its data producer
     assert len(rank1) == 1
     os.kill(rank1[0], signal.SIGKILL)
     killed = time.time()
     output, _ = job.communicate(timeout=120)
-    print(f"kill -9 of MPI rank 1: mpirun ended after {time.time() - killed:.1f} s")
-    assert job.returncode != 0
+    print(f"kill -9 of MPI rank 1: mpirun ended after {time.time() - killed:.1f} s, status {job.returncode}")
+    assert job.returncode not in (0, 2)  # 137 (rank 1's signal) or 75 (rank 0's abort), as mpirun sees first
     assert time.time() - killed < 60, output[-3000:]
     assert re.search(r"rank 1 with PID \d+ on node \S+ exited on signal 9", output), output[-3000:]
-    newest = max(e for e in range(1, 50) if os.path.exists(tmp_path / "out" / f"model.{e:03d}.index"))
-    evaluated = run_cli(["train.config", "++task", "eval", "++load_epoch", str(newest),
-], cwd=tmp_path)  # plain RETURNN
+    found = checkpoints.interrupted(str(tmp_path / "out" / "model"), 1)
+    assert found and (found.epoch, found.steps_done) == (1, 10), (found, output[-3000:])
+    evaluated = run_cli(["train.config", "++task", "eval", "++load", "out/model.001.interrupted"], cwd=tmp_path)
     assert evaluated.returncode == 0 and "dev: score" in evaluated.stdout, evaluated.stderr[-3000:]
-    resumed = subprocess.run(command + ["++num_epochs", str(newest + 1)], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=600)
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert f"start training at epoch {newest + 1}" in resumed.stdout
-    assert os.path.exists(tmp_path / "out" / f"model.{newest + 1:03d}.index")
+    assert "start training at epoch 1, step 11 (interrupted there)" in resumed.stdout
+    assert os.path.exists(tmp_path / "out" / "model.002.index")
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
