@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy
 
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import init_eval_datasets, init_seq_order, template_shapes
+from returnn_tpu.data import init_eval_datasets, init_seq_order, size_key, template_shapes
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
 
@@ -169,6 +169,17 @@ class EpochData:
         batches.start_at(step, offset)
         return step, (f"continues after {done} of its batches ({steps_done} steps of {replicas_before} replicas) "
                       f"at step {step + 1} of {replicas}")
+
+    def placeholder_step(self) -> List[dict]:
+        """One batch per local replica of one sequence of one frame, all zeros: what the step is
+        traced on when an epoch continued at its very end has no batch to train (a run resumed
+        from the model of the epoch's last sync)."""
+        batch = {}
+        for key, template in template_shapes(self.extern_data, self.data_keys).items():
+            batch[key] = numpy.zeros([1] + [dim or 1 for dim in template["shape"]], template["dtype"])
+            if None in template["shape"]:
+                batch[size_key(key, 0)] = numpy.ones([1], "int32")
+        return [batch] * self.local_replicas
 
     def eval_batches(self, dataset, epoch: int) -> EpochBatches:
         """This worker's share of ``dataset``'s batches: every batch once over all replicas."""

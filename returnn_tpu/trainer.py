@@ -263,6 +263,8 @@ class Trainer:
         if batches.num_steps == 0:
             raise ConfigError(f"train: epoch {epoch} has no batch for every replica (too few sequences, or all "
                               "longer than max_seq_length); check the dataset and batching options")
+        if not self.network.built:  # continued at the epoch's end (the model of its last sync): no step ran
+            self._build(self.data.placeholder_step())
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
         self.syncs.at_epoch_end(self.steps, learning_rate, stats)
         self.checkpoints.synced(epoch, batches.num_steps, self.batches_trained // self.batches_per_update)

@@ -171,3 +171,22 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_free_space(tmp_path):
         assert os.listdir(full) == ["filler"]
     finally:
         subprocess.run(["umount", str(full)], check=True)
+
+
+def test_an_epoch_continued_at_its_very_end_evaluates_and_saves_the_saved_model(tmp_path):
+    """A run sent back to the sync after an epoch's last step (a worker lost during its dev
+    evaluation) has no step left to train there: the network is built all the same, the epoch's
+    dev scores are those of the saved model, and its checkpoint is that model."""
+    first = make_trainer(tmp_path, NETWORK, num_epochs=1, dev={"class": "Task12AXDataset", "num_seqs": 8})
+    first.train()
+    saved = str(tmp_path / "model.002.interrupted")
+    checkpoints.save_interrupted(str(tmp_path / "model"), saved, first.checkpoints.state(), epoch=2, steps_done=10_000,
+                                 num_replicas=2)
+    second = make_trainer(tmp_path, NETWORK, num_epochs=2, dev={"class": "Task12AXDataset", "num_seqs": 8})
+    second.train()
+    epoch_1, epoch_2 = checkpoints.load(str(tmp_path / "model.001")), checkpoints.load(str(tmp_path / "model.002"))
+    names = [name for name in epoch_1 if name.startswith(("lstm/", "output/")) and "/Adam" not in name]
+    assert names
+    for name in names:
+        numpy.testing.assert_array_equal(epoch_2[name], epoch_1[name])
+    assert not checkpoints.interrupted(str(tmp_path / "model"), 2)  # replaced by the epoch's checkpoint
