@@ -1,7 +1,8 @@
 """Goodput of local SGD when workers die: a random worker is killed (SIGKILL) every T seconds.
 
 ``returnn-tpu --local-workers W --max-restarts K`` trains a 12AX LSTM (the bundled demo's network
-and data, one replica per worker) for the same wall time
+and data at a tenth of its learning rate, so that it still learns after minutes; one replica per
+worker) for the same wall time
   * undisturbed, and
   * with a random worker killed every T seconds, for each T given,
 all in one run of this script. Each kill ends the job: the survivors save the model of the last
@@ -50,7 +51,7 @@ network = {
     "output": {"class": "softmax", "loss": "ce", "from": "fw0"},
 }
 optimizer = {"class": "adam"}
-learning_rate = 0.01
+learning_rate = 0.001
 gradient_clip_global_norm = 5.0
 learning_rate_file = "out/learning_rates"
 model = "out/model"
@@ -80,8 +81,10 @@ class Run:
         self.reader.start()
 
     def _read(self):
-        for line in self.launcher.stdout:
-            self.lines.append((time.time(), line))
+        with open(os.path.join(self.folder, "launcher.log"), "a") as log:
+            for line in self.launcher.stdout:
+                self.lines.append((time.time(), line))
+                log.write(f"{time.time():.2f} {line}")
 
     def workers(self) -> List[int]:
         """The pids of the launcher's running worker processes."""
@@ -113,8 +116,13 @@ class Run:
         prefixes = [os.path.join(out, name[: -len(".index")]) for name in os.listdir(out) if name.endswith(".index")]
         return max(int(checkpoints.load(prefix)["global_step"]) for prefix in prefixes)
 
-    def first_step_after(self, moment: float) -> Optional[float]:
-        return next((t for t, line in self.lines if t > moment and STEP_LINE.match(line)), None)
+    def training_again_after(self, moment: float) -> Optional[float]:
+        """When the job trained again after a kill at ``moment``: the first step after the
+        launcher's next restart (the survivors train on until they find the worker lost)."""
+        restart = next((t for t, line in self.lines if t > moment and "restarting all" in line), None)
+        if restart is None:
+            return None
+        return next((t for t, line in self.lines if t > restart and STEP_LINE.match(line)), None)
 
     def dev_scores(self) -> dict:
         with open(os.path.join(self.folder, "out", "metrics.jsonl")) as f:
@@ -136,8 +144,9 @@ def timed_run(folder: str, workers: int, seconds: float, kill_every: Optional[fl
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 kills.append(time.time())
         time.sleep(0.1)
+    print(f"  stopping at {time.time():.2f} (kills at {', '.join(f'{k:.2f}' for k in kills)})", flush=True)
     status = run.stop()
-    recoveries = [run.first_step_after(kill) for kill in kills]
+    recoveries = [run.training_again_after(kill) for kill in kills]
     return {"run": run, "status": status, "updates": run.counted_updates(), "kills": len(kills),
             "recovery_seconds": [round(found - kill, 1) for kill, found in zip(kills, recoveries) if found]}
 
@@ -173,8 +182,9 @@ def main():
         if status or score is None:
             print(f"  could not train on to epoch {end_epoch} (status {status})", flush=True)
             continue
-        print(f"  dev score at epoch {end_epoch} (the undisturbed run's last): {score:.4f} against {base_score:.4f} "
-              f"undisturbed, ratio {score / base_score:.3f}", flush=True)
+        print(f"  dev score at epoch {end_epoch} (the undisturbed run's last): {score:.5f} against {base_score:.5f} "
+              f"undisturbed, ratio {score / base_score:.3f} (the undisturbed run's last 5 epochs: "
+              f"{', '.join(f'{v:.5f}' for v in list(baseline['run'].dev_scores().values())[-5:])})", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ class WorkerCollectives:
         """One row of ``values`` per worker, in worker order."""
         if self.num_workers == 1:
             return numpy.array([values], dtype=numpy.float64)
-        rows = [tf.constant([values], tf.float64)] * self.local_replicas
+        # One more column: an all-gather of an empty tensor between workers crashes the process
+        # (FACTS.md, "Empty all-gathers"), and an epoch continued at its end has no scores.
+        rows = [tf.constant([list(values) + [0.0]], tf.float64)] * self.local_replicas
         per_replica = distribute_local_values(self.strategy, rows, self.first_replica)
-        return self._gather(per_replica).numpy()[:: self.local_replicas]
+        return self._gather(per_replica).numpy()[:: self.local_replicas, :-1]
 
     def all_workers(self, value: int) -> List[int]:
         """``value`` of every worker, in worker order; just ``[value]`` alone."""

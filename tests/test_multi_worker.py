@@ -504,3 +504,22 @@ def test_a_killed_worker_costs_at_most_one_sync_period(tmp_path):
                 f"{workers} replica") in resumed.stdout, resumed.stdout[-3000:]
         assert os.path.exists(run / "out" / "model.001.index")
         assert not checkpoints.interrupted(str(run / "out" / "model"), 1)
+
+
+@pytest.mark.slow
+def test_two_workers_continue_an_epoch_at_its_very_end(tmp_path):
+    """Two workers resume from the model of an epoch's last sync (a worker was lost during its
+    dev evaluation): no step is left, and the epoch's scores, dev evaluation and checkpoint go
+    through the workers' collectives all the same (an empty all-gather would end the process)."""
+    import tensorflow as tf
+
+    write_config(tmp_path / "train.config", num_seqs="60", num_epochs=1)
+    first = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:]
+    values = {name: tf.constant(value) for name, value in checkpoints.load(str(tmp_path / "out" / "model.001")).items()}
+    checkpoints.save_interrupted(str(tmp_path / "out" / "model"), str(tmp_path / "out" / "model.002.interrupted"),
+                                 values, epoch=2, steps_done=10_000, num_replicas=2)
+    second = run_cli(["--local-workers", "2", "train.config", "++num_epochs", "2"], cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "start training at epoch 2, step 10001 (interrupted there)" in second.stdout
+    assert checkpoint_checksum(tmp_path / "out" / "model.002") == checkpoint_checksum(tmp_path / "out" / "model.001")
