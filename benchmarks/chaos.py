@@ -157,7 +157,8 @@ def main():
     parser.add_argument("--minutes", type=float, default=10.0, help="training time of each run")
     parser.add_argument("--kill-every", type=float, nargs="+", default=[120.0, 60.0], metavar="T")
     parser.add_argument("--seed", type=int, default=0, help="which worker each kill picks")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:
         args.minutes, args.kill_every = 0.3, [10.0]

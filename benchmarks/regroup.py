@@ -78,12 +78,14 @@ def worker(role: str, ports, bound: float):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bound", type=float, default=30.0, help="seconds each attempt may take")
-    parser.add_argument("--smoke", action="store_true", help="the same experiment (it is small)")
+    parser.add_argument("--smoke", action="store_true", help="the same experiment with a bound of 8 s")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--ports", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         return worker(args.role, args.ports.split(","), args.bound)
+    if args.smoke:
+        args.bound = 8.0
     sockets = [socket.socket() for _ in range(3)]
     for sock in sockets:
         sock.bind(("127.0.0.1", 0))
@@ -93,8 +95,8 @@ def main():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
 
     def start(role):
-        return subprocess.Popen([sys.executable, __file__, "--role", role, "--ports", ports, "--bound", str(args.bound)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        command = [sys.executable, __file__, "--role", role, "--ports", ports, "--bound", str(args.bound)]
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     survivor, lost = start("survivor"), start("lost")
     lost.wait(timeout=300)

@@ -180,7 +180,8 @@ def _run_once(num_workers: int, args: List[str]) -> int:
             if failed:
                 status = failed[0] if failed[0] > 0 else 1
                 # Stopping at a signal, or a survivor that saved: the others are doing the same.
-                _stop(workers, None, GRACE_SECONDS if status > 128 or status == RESUMABLE_STATUS else LOST_WORKER_SECONDS)
+                others_stopping = status > 128 or status == RESUMABLE_STATUS
+                _stop(workers, None, GRACE_SECONDS if others_stopping else LOST_WORKER_SECONDS)
                 break
             time.sleep(0.2)
     finally:

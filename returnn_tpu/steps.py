@@ -127,7 +127,8 @@ class ReplicaSteps:
     def on_device(self, batches):
         """``batches``' steps with each replica's batch already on its device: the next step's is
         copied there while the current step runs."""
-        return read_ahead(batches, 1, name="returnn_tpu to device", transform=lambda step: (self.place(step[0]), step[1]))
+        return read_ahead(batches, 1, name="returnn_tpu to device",
+                          transform=lambda step: (self.place(step[0]), step[1]))
 
     def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
         """Every parameter of the network (RETURNN names) as its value on each of this worker's

@@ -1,8 +1,8 @@
 """The training loop: epochs, steps, learning-rate control, checkpoints, dev scores.
 
 Each decision has its own owner, which the loop asks: which network an epoch trains and its
-compiled step functions :mod:`returnn_tpu.current_network`, what an epoch's batches are :mod:`returnn_tpu.epochs`, when the copies
-are combined :mod:`returnn_tpu.sync` (its ``lifecycle``), the checkpoints
+compiled step functions :mod:`returnn_tpu.current_network`, what an epoch's batches are
+:mod:`returnn_tpu.epochs`, when the copies are combined :mod:`returnn_tpu.sync` (its ``lifecycle``), the checkpoints
 :class:`returnn_tpu.checkpoints.RunCheckpoints`, what stops a run :mod:`returnn_tpu.faults`, what is
 reported :mod:`returnn_tpu.reporting`, and the collectives between workers
 :mod:`returnn_tpu.workers`; this module runs them in order. For local SGD,
@@ -69,8 +69,8 @@ class Trainer:
         # accum_grad_multiple_step, which makes one update of every batches_per_update batches.
         self.batches_per_update = max(1, config.int("accum_grad_multiple_step", 1))
         self.batches_trained = 0
-        self.data = EpochData(config, options, self.cluster, self.workers, num_replicas=self.strategy.num_replicas_in_sync,
-                              local_replicas=self.workers.local_replicas, first_replica=self.workers.first_replica,
+        self.data = EpochData(config, options, self.cluster, self.workers,
+                              num_replicas=self.strategy.num_replicas_in_sync, local_replicas=self.workers.local_replicas, first_replica=self.workers.first_replica,
                               config_source=config_source)
         if options.jit_compile:
             xla.prepare_config(config)
@@ -289,8 +289,8 @@ class Trainer:
 
     def _stop_if_requested(self, epoch: int, step: int, stats: EpochStats):
         """Before step ``step``: if a stop signal is due on any worker
-        (:class:`returnn_tpu.faults.StopRequest`), combines the copies, has the chief write the interrupted epoch's checkpoint
-        and raises :class:`Stopped`. Resume continues the epoch at this step."""
+        (:class:`returnn_tpu.faults.StopRequest`), combines the copies, has the chief write the
+        interrupted epoch's checkpoint and raises :class:`Stopped`. Resume continues the epoch at this step."""
         stop = self.stop_request.due(step)
         if stop is None:
             return

@@ -76,7 +76,8 @@ def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **c
     values = {
         "task": "train",
         "train": {**TWELVE_AX["train"], "num_seqs": 20},
-        "extern_data": {"data": {"dim": TWELVE_AX["num_inputs"]}, "classes": {"dim": TWELVE_AX["num_outputs"], "sparse": True}},
+        "extern_data": {"data": {"dim": TWELVE_AX["num_inputs"]},
+                        "classes": {"dim": TWELVE_AX["num_outputs"], "sparse": True}},
         "network": network,
         "batch_size": 200,
         "max_seqs": 4,

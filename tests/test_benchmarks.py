@@ -12,12 +12,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO, "tests", "configs", "old_style_12ax.config")
 
 RUNS = {
+    "chaos.py": ["--smoke"],
     "data_pipeline.py": ["--smoke"],
     "epoch_time.py": [TINY_CONFIG, "--smoke"],
     "local_sgd_quality.py": ["--smoke"],
     "memory.py": [TINY_CONFIG],
     "multi_worker.py": ["--smoke"],
     "overhead.py": ["--smoke"],
+    "regroup.py": ["--smoke"],
     "startup.py": [TINY_CONFIG, "--smoke"],
     "xla.py": ["--smoke"],
 }
