@@ -161,7 +161,7 @@ def main():
                         help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:
-        args.minutes, args.kill_every = 0.3, [10.0]
+        args.minutes, args.kill_every = 0.15, [5.0]
     rng = random.Random(args.seed)
     seconds = args.minutes * 60
     root = tempfile.mkdtemp(prefix="returnn_tpu_chaos_")
