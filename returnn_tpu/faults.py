@@ -52,13 +52,12 @@ class Stopped(RuntimeError):
 
 class PeerLost(RuntimeError):
     """A collective failed because a worker is gone (``cause``, one of :data:`PEER_LOSS_ERRORS`);
-    this survivor saved the model of the last sync to ``prefix`` (None: nothing was trained since
-    the newest checkpoint), where the same command continues."""
+    ``where``: where this survivor saved the model of the last sync and the same command
+    continues (or that nothing was trained since the newest checkpoint)."""
 
-    def __init__(self, cause: Exception, prefix: Optional[str], where: str):
+    def __init__(self, cause: Exception, where: str):
         super().__init__(f"{where}: {cause}")
         self.cause = cause
-        self.prefix = prefix
         self.where = where
 
 

@@ -100,7 +100,11 @@ class Trainer:
                                           num_workers=self.cluster.num_workers, log=log)
         self._stepped = False  # whether this process has made a train step
         self._resume_prefix: Optional[str] = None  # the checkpoint to restore once the variables exist
-        self._epoch_position: Optional[Tuple[int, int]] = None  # the epoch in training and its first step
+
+    @property
+    def updates_done(self) -> int:
+        """Updates applied since the run began (the optimizer's step, counted on the host)."""
+        return self.batches_trained // self.batches_per_update
 
     @property
     def steps(self):
@@ -123,8 +127,9 @@ class Trainer:
             self.batches_trained = int(self.optimizer.step.numpy()) * self.batches_per_update
             self.network.created_in_epoch = 0
         self.syncs.at_network_start(self.steps)
-        if self._epoch_position:
-            self.checkpoints.synced(*self._epoch_position, self.batches_trained // self.batches_per_update)
+        point = self.checkpoints.last_sync  # marked at the epoch's start; a restore changed the update count
+        if point:
+            self.checkpoints.synced(point.epoch, point.steps_done, self.updates_done)
 
     def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
         """Every parameter of the network (RETURNN names) as its value on each of this worker's replicas."""
@@ -223,7 +228,7 @@ class Trainer:
         metrics = self.steps.train(step_batches, learning_rate, due)
         stats.sync_bytes += self.steps.gradient_bytes  # synchronous strategies: the gradients
         if self.syncs.after_update(self.steps, due, learning_rate, stats) and at:
-            self.checkpoints.synced(at[0], at[1] + 1, self.batches_trained // self.batches_per_update)
+            self.checkpoints.synced(at[0], at[1] + 1, self.updates_done)
         return metrics
 
     def train_epoch(self, epoch: int, first_step: int = 0, replicas_before: Optional[int] = None):
@@ -242,8 +247,7 @@ class Trainer:
         first_step, note = self.data.continue_epoch(batches, first_step, replicas_before)
         if note:
             print(f"returnn-tpu: epoch {epoch} {note}", file=self.log.v2)
-        self._epoch_position = (epoch, first_step)  # where the network's start makes one model
-        self.checkpoints.synced(epoch, first_step, self.batches_trained // self.batches_per_update)  # one model now
+        self.checkpoints.synced(epoch, first_step, self.updates_done)  # the copies are one model here
         stats.data_making_seconds = batches.making_seconds
         waited_since = start  # making the epoch's batch lists is waiting for data too
         for step, (step_batches, _) in enumerate(self.steps.on_device(batches), start=first_step):
@@ -267,7 +271,7 @@ class Trainer:
             self._build(self.data.placeholder_step())
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
         self.syncs.at_epoch_end(self.steps, learning_rate, stats)
-        self.checkpoints.synced(epoch, batches.num_steps, self.batches_trained // self.batches_per_update)
+        self.checkpoints.synced(epoch, batches.num_steps, self.updates_done)
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)
         if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
@@ -312,10 +316,9 @@ class Trainer:
         point = self.checkpoints.last_sync
         prefix = self.checkpoints.save_after_peer_loss(self.syncs.synced_model())
         if prefix is None:
-            return PeerLost(exc, None, "nothing was trained since the newest checkpoint: run the same command to "
-                                       "resume")
-        return PeerLost(exc, prefix, f"the model of the last sync is in {prefix}: run the same command to continue "
-                                     f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}")
+            return PeerLost(exc, "nothing was trained since the newest checkpoint: run the same command to resume")
+        return PeerLost(exc, f"the model of the last sync is in {prefix}: run the same command to continue "
+                             f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}")
 
     def _stop_while_waiting(self, epoch: int):
         """While the producer makes an epoch's batch lists (minutes, for some datasets): a stop

@@ -175,7 +175,6 @@ class ParameterAveraging:
                 strategy, names, [tf.identity(a) for a in anchors], mean_changes, learning_rate
             )
             assign_own_copies(strategy, params, new_values)
-            assign_own_copies(strategy, anchors, new_values)
         else:
             means = collective([tf.identity(var) for var in params])
             assign_own_copies(strategy, params, means)
@@ -192,9 +191,12 @@ class ParameterAveraging:
 
     def apply_mean_change(self, strategy, names: List[str], anchors: List[tf.Tensor], mean_changes: List[tf.Tensor],
                           learning_rate: tf.Tensor) -> List[tf.Tensor]:
-        """The new model from the anchor and the replicas' mean change since it. Plain averaging:
-        their sum (the mean of the copies)."""
-        return [anchor + change for anchor, change in zip(anchors, mean_changes)]
+        """The new model from the anchor (``anchors``: its values before this sync) and the
+        replicas' mean change since it, which also becomes the anchor. Plain averaging: their sum
+        (the mean of the copies)."""
+        new_values = [anchor + change for anchor, change in zip(anchors, mean_changes)]
+        assign_own_copies(strategy, [self.anchors[name] for name in names], new_values)
+        return new_values
 
     # ---- accounting ----------------------------------------------------------------------------
 

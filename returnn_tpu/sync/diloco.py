@@ -73,8 +73,8 @@ class DiLoCoAveraging(ParameterAveraging):
 
     def outer_step(self, strategy, names: List[str], outer_grads: List[tf.Tensor], step_size, *,
                    nesterov: bool) -> List[tf.Tensor]:
-        """Momentum (``m = momentum * m + g``) applied to each anchor with ``step_size``, Nesterov's
-        or heavy ball; the new anchors (replica context: this replica's copies)."""
+        """Momentum (``m = momentum * m + g``) applied to each anchor in place with ``step_size``,
+        Nesterov's or heavy ball; the new anchors (replica context: this replica's copies)."""
         rule = MomentumOptimizer(self.outer_momentum, use_nesterov=nesterov)
         for name, grad in zip(names, outer_grads):
             strategy.extended.update(self.anchors[name], rule.apply_to_copy,
