@@ -465,29 +465,33 @@ def _plain_returnn_loads(config_path, prefix):
 
 @pytest.mark.slow
 def test_a_killed_worker_costs_at_most_one_sync_period(tmp_path):
-    """kill -9 of worker 1 between two syncs (after updates 10 and 20; the chief has logged step
-    13): worker 0 saves the model of the sync after update 10 as epoch 1's interrupted checkpoint
-    and exits with status 75. That model equals the one an undisturbed run of the same config
-    holds there (a SIGTERM stops it there and saves it; <= 1e-6); plain RETURNN loads it; and it
-    resumes on 1 worker and on 3, the rest of the epoch's batches dealt to their replicas."""
+    """kill -9 of worker 1 between two syncs (the syncs after updates S and S + 10; the chief has
+    logged step S + 3): worker 0 saves the model of the sync after update S as epoch 1's
+    interrupted checkpoint and exits with status 75. That model equals the one an undisturbed run
+    of the same config holds there (a SIGTERM stops it at sync point S and saves it; <= 1e-6);
+    plain RETURNN loads it; and it resumes on 1 worker and on 3, the rest of the epoch's batches
+    dealt to their replicas."""
     import signal
 
-    killed = _launch(tmp_path / "killed", step=12, **SYNC_EVERY_10)
+    # The undisturbed run first: a SIGTERM takes effect where the workers next agree (every 10
+    # steps), which a loaded machine may reach one agreement later; the kill then lands after it.
+    stopped = _launch(tmp_path / "stopped", step=2, **SYNC_EVERY_10)
+    stopped.send_signal(signal.SIGTERM)
+    output, _ = stopped.communicate(timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, output[-3000:]
+    reference = checkpoints.interrupted(str(tmp_path / "stopped" / "out" / "model"), 1)
+    synced = reference.steps_done
+    assert synced > 0 and synced % 10 == 0, reference
+
+    killed = _launch(tmp_path / "killed", step=synced + 2, **SYNC_EVERY_10)
     os.kill(_workers_of(killed)[1], signal.SIGKILL)
     output, _ = killed.communicate(timeout=300)
     assert killed.returncode == RESUMABLE_STATUS, output[-3000:]
     assert "lost worker 1" in output and ("the model of the last sync is in out/model.001.interrupted: run the same "
-                                          "command to continue epoch 1 at step 11") in output, output[-3000:]
+                                          f"command to continue epoch 1 at step {synced + 1}") in output, output[-3000:]
     found = checkpoints.interrupted(str(tmp_path / "killed" / "out" / "model"), 1)
-    assert (found.epoch, found.steps_done, found.num_replicas) == (1, 10, 2), found
-    assert int(checkpoints.load(found.prefix)["global_step"]) == 10  # the updates that count
-
-    stopped = _launch(tmp_path / "stopped", step=2, **SYNC_EVERY_10)
-    stopped.send_signal(signal.SIGTERM)  # the workers agree every 10 steps: they stop after update 10
-    output, _ = stopped.communicate(timeout=300)
-    assert stopped.returncode == 128 + signal.SIGTERM, output[-3000:]
-    reference = checkpoints.interrupted(str(tmp_path / "stopped" / "out" / "model"), 1)
-    assert reference.steps_done == 10, reference
+    assert (found.epoch, found.steps_done, found.num_replicas) == (1, synced, 2), found
+    assert int(checkpoints.load(found.prefix)["global_step"]) == synced  # the updates that count
     saved, undisturbed = checkpoint_params(found.prefix), checkpoint_params(reference.prefix)
     assert saved.keys() == undisturbed.keys()
     for name in saved:
@@ -496,14 +500,15 @@ def test_a_killed_worker_costs_at_most_one_sync_period(tmp_path):
     loaded = _plain_returnn_loads(tmp_path / "killed" / "train.config", found.prefix)
     assert loaded and all(numpy.array_equal(loaded[name], saved[name]) for name in loaded), sorted(loaded)
 
-    for workers, continues_at in ((1, 21), (3, 7)):  # 20 batches done: 20 steps of 1 replica, 6 of 3 and 2 more
+    batches = 2 * synced  # S steps of 2 replicas: for 3 replicas, 2S // 3 full steps and maybe a part of one
+    for workers, continues_at in ((1, batches + 1), (3, batches // 3 + 1)):
         run = tmp_path / f"on_{workers}"
         shutil.copytree(tmp_path / "killed", run)
         args = ["train.config", "++num_epochs", "1"]
         resumed = run_cli(args if workers == 1 else ["--local-workers", str(workers), *args], cwd=run)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        assert (f"epoch 1 continues after 20 of its batches (10 steps of 2 replicas) at step {continues_at} of "
-                f"{workers} replica") in resumed.stdout, resumed.stdout[-3000:]
+        assert (f"epoch 1 continues after {batches} of its batches ({synced} steps of 2 replicas) at step "
+                f"{continues_at} of {workers} replica") in resumed.stdout, resumed.stdout[-3000:]
         assert os.path.exists(run / "out" / "model.001.index")
         assert not checkpoints.interrupted(str(run / "out" / "model"), 1)
 
