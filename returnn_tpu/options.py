@@ -23,10 +23,13 @@ DEFAULT_PARAM_SYNC_STEP = 100
 LOCAL_SGD_STRATEGY_NAMES = ("local_sgd", "local_sgd_tpu")
 OUTER_OPTIMIZER_CLASSES = ("nesterov", "slowmo")
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
-SYNC_DTYPES = ("float32", "bfloat16", "float16")
+SYNC_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+QUANTIZED_SYNC_DTYPES = ("int8", "int4")
+DEFAULT_SYNC_MIX = 0.5  # Streaming DiLoCo's mixing factor (Douillard et al., 2025)
 # Options of local SGD's sync; any of them with another strategy is an error, not ignored.
 LOCAL_SGD_OPTIONS = ("param_sync_step", "param_sync_time_diff", "outer_optimizer", "optimizer_state_at_sync",
-                     "sync_dtype", "local_param_sync_step", "sync_fragments")
+                     "sync_dtype", "local_param_sync_step", "sync_fragments", "sync_delay", "sync_mix",
+                     "sync_error_feedback")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -86,7 +89,14 @@ class DistributeOptions:
         "learning_rate": .., "momentum": ..}``: an outer step on the replicas' mean change.
     :ivar optimizer_state_at_sync: ``"keep"``, ``"average"`` or ``"reset"`` the replicas'
         optimizer slots at a sync.
-    :ivar sync_dtype: the type the change since the last sync travels in.
+    :ivar sync_dtype: the type the change since the last sync travels in; ``"int8"`` and
+        ``"int4"`` are quantized per block of 64 values with a float32 scale.
+    :ivar sync_error_feedback: with ``"int8"``/``"int4"``: each replica adds what rounding left
+        out of its change to its next change.
+    :ivar sync_delay: overlapped syncs: a sync's all-reduce runs while this many further updates
+        compute, then its result is applied (0: at once).
+    :ivar sync_mix: overlapped syncs: each copy becomes ``sync_mix * copy + (1 - sync_mix) *
+        synced model`` when a sync is applied (0: the synced model).
     :ivar local_param_sync_step: hierarchical averaging: the replicas of each worker average every
         this many steps, all workers every ``param_sync_step``.
     :ivar sync_fragments: streaming syncs: the parameters in this many fragments of about equal
@@ -121,6 +131,9 @@ class DistributeOptions:
     sync_dtype: str = "float32"
     local_param_sync_step: Optional[int] = None
     sync_fragments: int = 1
+    sync_delay: int = 0
+    sync_mix: float = DEFAULT_SYNC_MIX
+    sync_error_feedback: bool = True
     skip_nonfinite_steps: bool = False
     data_producer: str = "process"
     data_prefetch: int = 4
@@ -261,6 +274,7 @@ def _sync_options(strategy: str, options: Mapping[str, Any]) -> dict:
         if strategy == "local_sgd_tpu":
             raise ConfigError("distribute_options['local_param_sync_step'] cannot be used with 'local_sgd_tpu' "
                               "(one TPU host is one worker); use 'local_sgd'")
+    kwargs.update(_overlap_and_quantization(options, kwargs, step, time_based="param_sync_time_diff" in given))
     fragments = kwargs.get("sync_fragments", 1)
     if fragments > step:
         raise ConfigError(f"distribute_options['sync_fragments'] must be at most param_sync_step ({step}), "
@@ -268,4 +282,38 @@ def _sync_options(strategy: str, options: Mapping[str, Any]) -> dict:
     if fragments > 1 and kwargs.get("optimizer_state_at_sync") == "reset":
         raise ConfigError("distribute_options['optimizer_state_at_sync'] 'reset' restarts Adam's bias correction "
                           "for all parameters; it cannot be used with sync_fragments > 1")
+    return kwargs
+
+
+def _overlap_and_quantization(options: Mapping[str, Any], checked: dict, step: int, time_based: bool) -> dict:
+    """``sync_delay``, ``sync_mix`` and ``sync_error_feedback``, checked against the other sync options."""
+    kwargs: dict = {}
+    delay = options.get("sync_delay")
+    if delay is not None:
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise ConfigError(f"distribute_options['sync_delay'] must be an int >= 0 (updates), got {delay!r}")
+        gap = step // checked.get("sync_fragments", 1)
+        if not time_based and delay >= gap:
+            raise ConfigError(f"distribute_options['sync_delay'] must be less than param_sync_step / sync_fragments "
+                              f"({gap} updates between two syncs: one sync is in flight at a time), got {delay}")
+        if delay and checked.get("optimizer_state_at_sync", "keep") != "keep":
+            raise ConfigError("distribute_options['optimizer_state_at_sync'] must be 'keep' with sync_delay > 0 "
+                              f"(each replica keeps its own optimizer state), got {checked['optimizer_state_at_sync']!r}")
+        kwargs["sync_delay"] = delay
+    mix = options.get("sync_mix")
+    if mix is not None:
+        if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix < 1:
+            raise ConfigError(f"distribute_options['sync_mix'] must be a number in [0, 1), got {mix!r}")
+        if not delay:
+            raise ConfigError("distribute_options['sync_mix'] mixes overlapped syncs into the copies; it needs "
+                              "'sync_delay' >= 1")
+        kwargs["sync_mix"] = float(mix)
+    feedback = options.get("sync_error_feedback")
+    if feedback is not None:
+        if not isinstance(feedback, bool):
+            raise ConfigError(f"distribute_options['sync_error_feedback'] must be True or False, got {feedback!r}")
+        if checked.get("sync_dtype") not in QUANTIZED_SYNC_DTYPES:
+            raise ConfigError("distribute_options['sync_error_feedback'] applies to sync_dtype "
+                              f"{' or '.join(map(repr, QUANTIZED_SYNC_DTYPES))}, got {checked.get('sync_dtype', 'float32')!r}")
+        kwargs["sync_error_feedback"] = feedback
     return kwargs

@@ -103,6 +103,11 @@ class ReplicaSteps:
         self._jit_evaluate = tf.function(self._evaluate_xla, autograph=False, jit_compile=True) if jit_compile else None
         self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
         self._start_sync = tf.function(self._start_sync_fn, autograph=False)
+        # Overlapped syncs: the all-reduce of the sync in flight, on a thread of its own.
+        self._snapshot = tf.function(self._snapshot_fn, autograph=False)
+        self._reduce = tf.function(self._reduce_fn, autograph=False)
+        self._apply = tf.function(self._apply_fn, autograph=False)
+        self._reducing: Optional[_OnThread] = None
         # Per-replica batches -> (per-replica gradients by name, metrics), without an update.
         self.replica_gradients = tf.function(
             lambda batches: self.strategy.run(self._replica_train, args=(batches,)), autograph=False
@@ -196,8 +201,13 @@ class ReplicaSteps:
         if self.accumulators is not None:  # a micro-batch only adds its gradients to the sums
             args += (tf.constant(update),)
         if self.in_step and self.local_sgd:  # which fragments the step syncs, decided by the host
-            args += (tf.constant([i in (due.fragments if due else ()) for i in range(self.num_fragments)]),)
+            args += (self._fragment_flags(due.fragments if due else ()),)
+            if self.averaging.overlapped:  # and which the step applies, of the sync in flight
+                args += (self._fragment_flags(due.applied if due else ()),)
         return args
+
+    def _fragment_flags(self, fragments: Tuple[int, ...]) -> tf.Tensor:
+        return tf.constant([i in fragments for i in range(self.num_fragments)])
 
     def train(self, step_batches: List, learning_rate: float, due: Optional[SyncDue] = None) -> Dict:
         """One update; returns the per-replica metrics. For in-step local SGD, the step also syncs
@@ -251,6 +261,24 @@ class ReplicaSteps:
     def sync(self, due: SyncDue, learning_rate: float):
         """Combines the copies as ``due`` says (between steps; local SGD)."""
         self._sync(tuple(due.fragments), due.local, tf.constant(learning_rate, tf.float32))
+
+    def start_overlapped(self, fragments: Tuple[int, ...]):
+        """Overlapped syncs (host path): takes each replica's change of ``fragments`` now and starts
+        their all-reduce on a thread, where it runs while the next steps compute."""
+        fragments = tuple(fragments)
+        self._snapshot(fragments)
+        # Traced here, in the loop's order: every worker's collectives get the same keys (FACTS.md,
+        # "Overlapped syncs").
+        self._reduce.get_concrete_function(fragments)
+        self._reducing = _OnThread(self._reduce, fragments)
+
+    def finish_overlapped(self, fragments: Tuple[int, ...], learning_rate: float):
+        """Overlapped syncs: waits for the all-reduce in flight (host path; an error in it, such as
+        a lost peer, is raised here) and applies the sync of ``fragments``."""
+        reducing, self._reducing = self._reducing, None
+        if reducing is not None:
+            reducing.result()  # bounded by the collective's own timeout and the peers' health check
+        self._apply(tuple(fragments), tf.constant(learning_rate, tf.float32))
 
     def start_sync(self):
         """Makes all copies, on all workers, one model and the averaging's anchor (no outer step)."""
@@ -425,10 +453,10 @@ class ReplicaSteps:
         tf.cond(update, apply, lambda: tf.constant(False)) if update is not None else apply()
         return metrics
 
-    def _train_in_replica_fn(self, batch, learning_rate, due=None):
-        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, due))
+    def _train_in_replica_fn(self, batch, learning_rate, due=None, applied=None):
+        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, due, applied))
 
-    def _replica_train_and_apply(self, batch, learning_rate, due):
+    def _replica_train_and_apply(self, batch, learning_rate, due, applied):
         grads, metrics, finite = self._replica_update_gradients(batch)
         names = sorted(grads)
         grad_list = [grads[name] for name in names]
@@ -439,8 +467,12 @@ class ReplicaSteps:
         variables = [self.builder.variables.by_name[name] for name in names]
         rate = self.step_learning_rate(learning_rate, self.optimizer.step.read_value())
         self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), rate, apply_if=finite)
-        for index in range(self.num_fragments if self.local_sgd else 0):  # ordered after the update (same resources)
-            tf.cond(due[index], lambda i=index: self._replica_sync((i,), False, learning_rate), lambda: tf.constant(False))
+        # The syncs, ordered after the update (same resources): the one in flight applied, then what is due.
+        for index in range(self.num_fragments if applied is not None else 0):
+            tf.cond(applied[index], lambda i=index: self._replica_apply((i,), learning_rate), lambda: tf.constant(False))
+        for index in range(self.num_fragments if self.local_sgd else 0):
+            sync = self._replica_start_overlapped if applied is not None else self._replica_sync
+            tf.cond(due[index], lambda i=index: sync((i,), False, learning_rate), lambda: tf.constant(False))
         return metrics
 
     def _replica_evaluate(self, batch, weight):
@@ -466,11 +498,9 @@ class ReplicaSteps:
 
     def _replica_sync(self, fragments: Tuple[int, ...], local: bool, learning_rate) -> tf.Tensor:
         """In replica context: the sync of the named fragments, or a worker-local one."""
-        variables = self.trainable()
-        names = [name for i in fragments for name in self.fragments[i]] if not local else sorted(variables)
         self.averaging.sync_in_replica(
             self.strategy,
-            {name: variables[name] for name in names},
+            self.trainable() if local else self._fragment_variables(fragments),
             mean_within_groups(self.local_replicas) if local else mean_over_all_replicas,
             learning_rate=learning_rate,
             slots=self.optimizer.slots_by_variable(),
@@ -479,8 +509,52 @@ class ReplicaSteps:
         )
         return tf.constant(True)
 
+    def _fragment_variables(self, fragments: Tuple[int, ...]) -> Dict[str, tf.Variable]:
+        variables = self.trainable()
+        return {name: variables[name] for i in fragments for name in self.fragments[i]}
+
+    def _replica_start_overlapped(self, fragments: Tuple[int, ...], local: bool, learning_rate) -> tf.Tensor:
+        """In-step path: an overlapped sync's snapshot and all-reduce in the step it starts at."""
+        self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments))
+        self.averaging.reduce_in_replica(self.strategy, list(self._fragment_variables(fragments)))
+        return tf.constant(True)
+
+    def _replica_apply(self, fragments: Tuple[int, ...], learning_rate) -> tf.Tensor:
+        self.averaging.apply_in_replica(self.strategy, self._fragment_variables(fragments), learning_rate=learning_rate)
+        return tf.constant(True)
+
+    def _snapshot_fn(self, fragments: Tuple[int, ...]):
+        self.strategy.run(lambda: self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments)))
+
+    def _reduce_fn(self, fragments: Tuple[int, ...]):
+        self.strategy.run(lambda: self.averaging.reduce_in_replica(self.strategy, list(self._fragment_variables(fragments))))
+
+    def _apply_fn(self, fragments: Tuple[int, ...], learning_rate):
+        self.strategy.run(self._replica_apply, args=(fragments, learning_rate))
+
     def _sync_fn(self, fragments: Tuple[int, ...], local: bool, learning_rate):
         self.strategy.run(self._replica_sync, args=(fragments, local, learning_rate))
 
     def _start_sync_fn(self):
         self.strategy.run(lambda: self.averaging.start_in_replica(self.strategy, self.trainable()))
+
+
+class _OnThread:
+    """A call on a daemon thread of its own (a process that ends does not wait for it);
+    :meth:`result` waits for it and raises what it raised."""
+
+    def __init__(self, function, *args):
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(function, args), name="returnn_tpu sync", daemon=True)
+        self.thread.start()
+
+    def _run(self, function, args):
+        try:
+            function(*args)
+        except BaseException as exc:  # handed to the loop's thread by result()
+            self.error = exc
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error

@@ -28,6 +28,18 @@ class LocalSGDExtendedMixin:
     def _use_merge_call(self):
         return not self.in_step_sync and super()._use_merge_call()
 
+    def gather_in_replica(self, value: tf.Tensor) -> tf.Tensor:
+        """In replica context: every replica's ``value`` (of the same shape), concatenated along
+        axis 0 in replica order. ``ReplicaContext.all_gather`` goes through ``merge_call``; the in-step
+        path on local devices has none, so this replica's collective launcher gathers, as
+        TensorFlow's own replica-context all-reduce does (FACTS.md, "Gathers without merge_call").
+        TPUs' replica context gathers without it."""
+        context = tf.distribute.get_replica_context()
+        launchers = getattr(self, "_collective_ops", None)
+        if self._use_merge_call() or launchers is None:
+            return context.all_gather(value, axis=0)
+        return launchers._launchers[context._replica_id].all_gather(value, axis=0)
+
 
 class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended):
     """Local SGD over the devices of one machine."""

@@ -14,7 +14,7 @@ from returnn_tpu.options import DistributeOptions
 from returnn_tpu.sync.averaging import ParameterAveraging, mean_over_all_replicas, mean_within_groups
 from returnn_tpu.sync.diloco import DiLoCoAveraging
 from returnn_tpu.sync.fragments import split_into_fragments
-from returnn_tpu.sync.lifecycle import CopiesAlwaysEqual, LocalSGDSyncs
+from returnn_tpu.sync.lifecycle import CopiesAlwaysEqual, LocalSGDSyncs, OverlappedSyncs
 from returnn_tpu.sync.schedule import SyncDue, SyncSchedule
 from returnn_tpu.sync.slowmo import SlowMoAveraging
 
@@ -23,6 +23,7 @@ __all__ = [
     "make_syncs",
     "CopiesAlwaysEqual",
     "LocalSGDSyncs",
+    "OverlappedSyncs",
     "ParameterAveraging",
     "DiLoCoAveraging",
     "SlowMoAveraging",
@@ -40,7 +41,8 @@ def make_averaging(options: DistributeOptions, keep_synced_model: bool = False) 
     """The combination ``distribute_options`` asks for: plain averaging, or an outer optimizer;
     ``keep_synced_model``: see :class:`ParameterAveraging`."""
     common = {"sync_dtype": options.sync_dtype, "optimizer_state_at_sync": options.optimizer_state_at_sync,
-              "keep_synced_model": keep_synced_model}
+              "keep_synced_model": keep_synced_model, "error_feedback": options.sync_error_feedback,
+              "overlapped_mix": options.sync_mix if options.sync_delay else None}
     if options.outer_optimizer is None:
         return ParameterAveraging(**common)
     outer = dict(options.outer_optimizer)
@@ -63,9 +65,11 @@ def make_syncs(options: DistributeOptions, *, local_sgd: bool, local_replicas: i
         options.param_sync_time_diff,
         fragments=options.sync_fragments,
         local_step=local_step,
+        delay=options.sync_delay,
         any_worker=any_worker,
         time_check_steps=1 if num_workers == 1 else 10,
     )
-    return LocalSGDSyncs(make_averaging(options, keep_synced_model=num_workers > 1), schedule,
+    syncs = OverlappedSyncs if options.sync_delay else LocalSGDSyncs
+    return syncs(make_averaging(options, keep_synced_model=num_workers > 1), schedule,
                          sync_steps=None if options.param_sync_time_diff else options.param_sync_step,
                          ignored_local_step=bool(options.local_param_sync_step) and local_step is None)

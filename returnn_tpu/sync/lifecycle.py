@@ -121,3 +121,38 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
         steps.sync(due, learning_rate)
         if stats is not None:
             stats.add_sync(time.perf_counter() - start, steps.sync_bytes(due), local=due.local)
+
+
+class OverlappedSyncs(LocalSGDSyncs):
+    """Overlapped syncs (``sync_delay`` tau > 0, Streaming DiLoCo): the sync due after an update
+    takes each replica's change then, averages it while the next tau updates compute (the
+    in-step path: in the step, kept until then) and is applied after the tau-th, mixed with each
+    replica's copy (:meth:`ParameterAveraging.apply_in_replica`). A sync's seconds are those the
+    loop waits: taking the snapshot, the rest of the all-reduce if it has not ended, applying."""
+
+    def after_update(self, steps, due, learning_rate, stats):
+        if due is None:
+            return False
+        start = time.perf_counter()
+        if not steps.in_step:
+            if due.applied:
+                steps.finish_overlapped(due.applied, learning_rate)
+            if due.fragments:
+                steps.start_overlapped(due.fragments)
+            elif due.local:
+                steps.sync(due, learning_rate)
+        seconds = 0.0 if steps.in_step else time.perf_counter() - start
+        if due.fragments or due.local:
+            stats.add_sync(seconds, steps.sync_bytes(due), local=due.local)
+        else:
+            stats.sync_seconds += seconds
+        return bool(due.applied)
+
+    def now(self, steps, learning_rate=0.0, stats=None):
+        in_flight = self.schedule.take_in_flight()
+        if in_flight:
+            start = time.perf_counter()
+            steps.finish_overlapped(in_flight, learning_rate)
+            if stats is not None:
+                stats.sync_seconds += time.perf_counter() - start
+        super().now(steps, learning_rate, stats)

@@ -17,10 +17,14 @@ from typing import Callable, Optional, Tuple
 @dataclasses.dataclass(frozen=True)
 class SyncDue:
     """What to sync after a step: ``fragments`` over all replicas, or (``local``) every parameter
-    among the replicas of each worker only."""
+    among the replicas of each worker only. ``overlapped`` (``sync_delay`` > 0): the syncs of
+    ``fragments`` start after the step and are applied later; ``applied`` names the fragments of
+    the sync in flight whose result is applied after this step, before any new one starts."""
 
     fragments: Tuple[int, ...] = ()
     local: bool = False
+    applied: Tuple[int, ...] = ()
+    overlapped: bool = False
 
 
 class SyncSchedule:
@@ -29,7 +33,9 @@ class SyncSchedule:
     With ``fragments`` F > 1 (streaming), fragment i is synced at update ``(i + 1) * N / F`` of
     each cycle of N updates, so each fragment once per N updates and one at a time. With
     ``local_step`` L (hierarchical), the replicas of each worker average every L updates that
-    are not a global sync.
+    are not a global sync. With ``delay`` tau > 0 (overlapped), the sync that starts after
+    update t is applied after update t + tau; one sync is in flight at a time (a sync due
+    earlier, by time, applies the one in flight first).
 
     Step counts agree between workers by construction; clocks do not, so with ``time_diff`` the
     workers decide together every ``time_check_steps`` steps (``any_worker``: one small
@@ -43,6 +49,7 @@ class SyncSchedule:
         *,
         fragments: int = 1,
         local_step: Optional[int] = None,
+        delay: int = 0,
         any_worker: Callable[[bool], bool] = bool,
         time_check_steps: int = 1,
     ):
@@ -50,12 +57,15 @@ class SyncSchedule:
         self.time_diff = time_diff
         self.num_fragments = fragments
         self.local_step = local_step
+        self.delay = delay
         self.any_worker = any_worker
         self.time_check_steps = time_check_steps
         # The update of a cycle after which each fragment is synced (the last one ends the cycle).
         self.fragment_ends = [round((i + 1) * param_sync_step / fragments) for i in range(fragments)]
         self.steps_since_sync = 0  # updates in the current cycle
         self.last_sync_time = time.monotonic()
+        self.in_flight: Tuple[int, ...] = ()  # the fragments of the sync started and not yet applied
+        self.updates_in_flight = 0  # since it started
 
     @property
     def all_fragments(self) -> SyncDue:
@@ -64,6 +74,22 @@ class SyncSchedule:
     def step(self) -> Optional[SyncDue]:
         """Counts one update; returns what is due after it (the same answer on every worker)."""
         self.steps_since_sync += 1
+        due = self._due()
+        if not self.delay:
+            return due
+        applied = ()
+        if self.in_flight:
+            self.updates_in_flight += 1
+            if self.updates_in_flight >= self.delay or (due is not None and due.fragments):
+                applied = self.take_in_flight()
+        if due is not None and due.fragments:
+            self.in_flight, self.updates_in_flight = due.fragments, 0
+        if due is None and not applied:
+            return None
+        return SyncDue(fragments=due.fragments if due else (), local=bool(due and due.local), applied=applied,
+                       overlapped=True)
+
+    def _due(self) -> Optional[SyncDue]:
         if self.time_diff is not None:
             if self.steps_since_sync % self.time_check_steps:
                 return None
@@ -80,9 +106,14 @@ class SyncSchedule:
             return SyncDue(local=True)
         return None
 
+    def take_in_flight(self) -> Tuple[int, ...]:
+        """The fragments of the sync in flight, which the caller applies now (before a full sync)."""
+        fragments, self.in_flight = self.in_flight, ()
+        return fragments
+
     def pending(self) -> bool:
-        """Whether updates happened since the last full sync."""
-        return self.steps_since_sync > 0
+        """Whether updates happened since the last full sync, or a sync is in flight."""
+        return self.steps_since_sync > 0 or bool(self.in_flight)
 
     def synced(self):
         """A full sync happened (the cycle ends or the epoch ends): the phase restarts."""
