@@ -99,6 +99,12 @@ VARIANTS = {
     "diloco_64": ("local_sgd", {"param_sync_step": 64, "outer_optimizer": DILOCO}),
     "diloco_64_bf16": ("local_sgd", {"param_sync_step": 64, "outer_optimizer": DILOCO, "sync_dtype": "bfloat16"}),
     "diloco_64_4_fragments": ("local_sgd", {"param_sync_step": 64, "outer_optimizer": DILOCO, "sync_fragments": 4}),
+    # Overlapped syncs (Streaming DiLoCo's mixing factor 0.5) and quantized ones, +- error feedback.
+    "diloco_64_tau1": ("local_sgd", {"param_sync_step": 64, "outer_optimizer": DILOCO, "sync_delay": 1}),
+    "diloco_64_tau4": ("local_sgd", {"param_sync_step": 64, "outer_optimizer": DILOCO, "sync_delay": 4}),
+    **{f"diloco_64_{dtype}{'' if feedback else '_no_ef'}": ("local_sgd", {
+        "param_sync_step": 64, "outer_optimizer": DILOCO, "sync_dtype": dtype, "sync_error_feedback": feedback})
+       for dtype in ("int8", "int4") for feedback in (True, False)},
 }
 
 # DiLoCo's outer (learning rate, momentum) on RETURNN's demo, 16 inner steps between syncs.

@@ -41,6 +41,7 @@ def worker_main(args):
 
     from returnn_tpu.cluster import resolve_cluster
     from returnn_tpu.options import DistributeOptions
+    from returnn_tpu.reporting import EpochStats
     from returnn_tpu.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
@@ -67,7 +68,9 @@ def worker_main(args):
             "log_verbosity": 0,
         }
     )
-    options = DistributeOptions(strategy=args.strategy, param_sync_step=args.sync_step, startup_timeout=120)
+    extra = {"param_sync_step": args.sync_step} if args.strategy == "local_sgd" else {}
+    options = DistributeOptions.from_config_values(args.strategy, {"startup_timeout": 120, **extra,
+                                                                   **json.loads(args.options)})
     cluster = resolve_cluster("auto") if args.strategy != "single" else None
     trainer = Trainer(config, options, cluster)
     rng = numpy.random.RandomState(trainer.cluster.worker_index)
@@ -84,13 +87,17 @@ def worker_main(args):
     for i in range(5):  # warm-up: traces, first collectives
         trainer.train_step([batches[i % 8]], 0.01)
     trainer.workers.all_workers(0)  # barrier
+    stats = EpochStats()
     start = time.perf_counter()
     for i in range(args.steps):
-        trainer.train_step([batches[i % 8]], 0.01)
+        trainer.train_step([batches[i % 8]], 0.01, stats)
     trainer.workers.all_workers(0)
     seconds = time.perf_counter() - start
     result = {
         "samples_per_second": trainer.steps.num_replicas * BATCH * args.steps / seconds,
+        "seconds_per_update": seconds / args.steps,
+        "sync_seconds": stats.sync_seconds,  # the loop's wait in local-SGD syncs
+        "sync_bytes": stats.sync_bytes,
         "parameters": int(sum(numpy.prod(v.shape) for v in trainer.builder.variables.by_name.values())),
     }
     if args.measure_sync:
@@ -126,22 +133,27 @@ def measure_sync(trainer, tf):
     return {"sync_seconds": statistics.median(sync_times[2:]), "raw_all_reduce_seconds": statistics.median(raw_times[2:])}
 
 
-def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=False, independent=False):
+def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=False, independent=False,
+                options=None, tf_configs=None):
     """Runs ``num_workers`` processes (one cluster, or ``independent`` ones); returns worker 0's result,
-    with ``samples_per_second`` summed over the processes when they are independent."""
+    with ``samples_per_second`` summed over the processes when they are independent. ``options``:
+    more ``distribute_options``; ``tf_configs``: each worker's ``TF_CONFIG`` (default: one cluster
+    on 127.0.0.1)."""
     from returnn_tpu.launcher import free_local_ports
 
-    ports = free_local_ports(num_workers)
+    if tf_configs is None and num_workers > 1 and not independent:
+        ports = free_local_ports(num_workers)
+        tf_configs = [json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                  "task": {"type": "worker", "index": index}}) for index in range(num_workers)]
     procs = []
     with tempfile.TemporaryDirectory() as model_dir:
         for index in range(num_workers):
             env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
-            if num_workers > 1 and not independent:
-                env["TF_CONFIG"] = json.dumps(
-                    {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
-                )
+            if tf_configs:
+                env["TF_CONFIG"] = tf_configs[index]
             cmd = [sys.executable, __file__, "--worker", "--strategy", strategy, "--steps", str(steps),
-                   "--hidden", str(hidden), "--sync-step", str(sync_step), "--model-dir", model_dir]
+                   "--hidden", str(hidden), "--sync-step", str(sync_step), "--model-dir", model_dir,
+                   "--options", json.dumps(options or {})]
             if measure_sync:
                 cmd.append("--measure-sync")
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
@@ -163,6 +175,7 @@ def main():
     parser.add_argument("--sync-step", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--measure-sync", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:

@@ -20,6 +20,8 @@ RUNS = {
     "multi_worker.py": ["--smoke"],
     "overhead.py": ["--smoke"],
     "regroup.py": ["--smoke"],
+    "relay.py": ["--smoke"],
+    "slow_link.py": ["--smoke"],
     "startup.py": [TINY_CONFIG, "--smoke"],
     "xla.py": ["--smoke"],
 }
