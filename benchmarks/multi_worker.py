@@ -156,11 +156,13 @@ def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=
                    "--options", json.dumps(options or {})]
             if measure_sync:
                 cmd.append("--measure-sync")
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-        outputs = [proc.communicate(timeout=1800)[0] for proc in procs]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outputs = [proc.communicate(timeout=1800) for proc in procs]
+    errors = [err for _, err in outputs]
+    outputs = [out for out, _ in outputs]
     results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")]
     if not results:
-        raise RuntimeError(f"{strategy} x{num_workers} gave no result:\n{outputs[0][-2000:]}")
+        raise RuntimeError(f"{strategy} x{num_workers} gave no result:\n{outputs[0][-2000:]}{errors[0][-3000:]}")
     if independent:
         results[0]["samples_per_second"] = sum(r["samples_per_second"] for r in results)
     return results[0]

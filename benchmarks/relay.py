@@ -99,7 +99,11 @@ class Relay:
                 client, _ = self.server.accept()
             except OSError:
                 return
-            server = socket.create_connection(("127.0.0.1", self.target_port))
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # the peer's server is not up yet: the client retries, as over a network
+                client.close()
+                continue
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=_pump, args=(client, server, self.forward), daemon=True).start()

@@ -107,7 +107,8 @@ class ReplicaSteps:
         self._snapshot = tf.function(self._snapshot_fn, autograph=False)
         self._reduce = tf.function(self._reduce_fn, autograph=False)
         self._apply = tf.function(self._apply_fn, autograph=False)
-        self._reducing: Optional[_OnThread] = None
+        self._reducing: Optional[_OnThread] = None  # host path: the all-reduce in flight
+        self._unreduced: Tuple[int, ...] = ()  # in-step path: fragments taken by the last step, reduced by the next
         # Per-replica batches -> (per-replica gradients by name, metrics), without an update.
         self.replica_gradients = tf.function(
             lambda batches: self.strategy.run(self._replica_train, args=(batches,)), autograph=False
@@ -202,8 +203,8 @@ class ReplicaSteps:
             args += (tf.constant(update),)
         if self.in_step and self.local_sgd:  # which fragments the step syncs, decided by the host
             args += (self._fragment_flags(due.fragments if due else ()),)
-            if self.averaging.overlapped:  # and which the step applies, of the sync in flight
-                args += (self._fragment_flags(due.applied if due else ()),)
+            if self.averaging.overlapped:  # which the step applies, of the sync in flight, and which it all-reduces
+                args += (self._fragment_flags(due.applied if due else ()), self._fragment_flags(self._unreduced))
         return args
 
     def _fragment_flags(self, fragments: Tuple[int, ...]) -> tf.Tensor:
@@ -217,6 +218,8 @@ class ReplicaSteps:
         shape = tuple(sorted((key, value.shape) for key, value in step_batches[0].items())) if self.jit_compile else None
         start = time.perf_counter()
         metrics = self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
+        if self.in_step and self.local_sgd and self.averaging.overlapped:
+            self._unreduced = due.fragments if due else ()  # the next step all-reduces what this one took
         if shape is not None and shape not in self._run_shapes:  # this call compiled the step
             self._run_shapes.add(shape)
             self.compilations += 1
@@ -274,10 +277,14 @@ class ReplicaSteps:
 
     def finish_overlapped(self, fragments: Tuple[int, ...], learning_rate: float):
         """Overlapped syncs: waits for the all-reduce in flight (host path; an error in it, such as
-        a lost peer, is raised here) and applies the sync of ``fragments``."""
+        a lost peer, is raised here; in-step path: all-reduces what no step has yet) and applies
+        the sync of ``fragments``."""
         reducing, self._reducing = self._reducing, None
         if reducing is not None:
             reducing.result()  # bounded by the collective's own timeout and the peers' health check
+        if self._unreduced:
+            self._reduce(self._unreduced)
+            self._unreduced = ()
         self._apply(tuple(fragments), tf.constant(learning_rate, tf.float32))
 
     def start_sync(self):
@@ -453,10 +460,14 @@ class ReplicaSteps:
         tf.cond(update, apply, lambda: tf.constant(False)) if update is not None else apply()
         return metrics
 
-    def _train_in_replica_fn(self, batch, learning_rate, due=None, applied=None):
-        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, due, applied))
+    def _train_in_replica_fn(self, batch, learning_rate, due=None, applied=None, reducing=None):
+        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, due, applied, reducing))
 
-    def _replica_train_and_apply(self, batch, learning_rate, due, applied):
+    def _replica_train_and_apply(self, batch, learning_rate, due, applied, reducing):
+        # Overlapped syncs: the all-reduce of the last step's snapshot depends on nothing of this
+        # step's forward and backward pass, so they may run at the same time.
+        for index in range(self.num_fragments if reducing is not None else 0):
+            tf.cond(reducing[index], lambda i=index: self._replica_reduce((i,)), lambda: tf.constant(False))
         grads, metrics, finite = self._replica_update_gradients(batch)
         names = sorted(grads)
         grad_list = [grads[name] for name in names]
@@ -514,8 +525,11 @@ class ReplicaSteps:
         return {name: variables[name] for i in fragments for name in self.fragments[i]}
 
     def _replica_start_overlapped(self, fragments: Tuple[int, ...], local: bool, learning_rate) -> tf.Tensor:
-        """In-step path: an overlapped sync's snapshot and all-reduce in the step it starts at."""
+        """In-step path: an overlapped sync's snapshot, after the update of the step it starts at."""
         self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments))
+        return tf.constant(True)
+
+    def _replica_reduce(self, fragments: Tuple[int, ...]) -> tf.Tensor:
         self.averaging.reduce_in_replica(self.strategy, list(self._fragment_variables(fragments)))
         return tf.constant(True)
 
@@ -527,7 +541,7 @@ class ReplicaSteps:
         self.strategy.run(lambda: self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments)))
 
     def _reduce_fn(self, fragments: Tuple[int, ...]):
-        self.strategy.run(lambda: self.averaging.reduce_in_replica(self.strategy, list(self._fragment_variables(fragments))))
+        self.strategy.run(self._replica_reduce, args=(fragments,))
 
     def _apply_fn(self, fragments: Tuple[int, ...], learning_rate):
         self.strategy.run(self._replica_apply, args=(fragments, learning_rate))

@@ -69,7 +69,10 @@ def assert_trained_and_in_sync(tmp_path, output, num_epochs=2):
 
 
 @pytest.mark.parametrize(
-    "schedule", [{"param_sync_step": 3}, {"param_sync_time_diff": 0.05}], ids=["sync_step", "sync_time_diff"]
+    "schedule", [{"param_sync_step": 3}, {"param_sync_time_diff": 0.05},
+                 {"param_sync_step": 4, "sync_fragments": 2, "sync_delay": 1, "sync_dtype": "int4",
+                  "outer_optimizer": {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}}],
+    ids=["sync_step", "sync_time_diff", "diloco_overlapped_int4"]
 )
 def test_two_workers_local_sgd_via_tf_config(tmp_path, schedule):
     write_config(tmp_path / "train.config", num_seqs="200",  # > 20 steps: workers agree on time every 10
