@@ -74,17 +74,17 @@ def worker_main(args):
     cluster = resolve_cluster("auto") if args.strategy != "single" else None
     trainer = Trainer(config, options, cluster)
     rng = numpy.random.RandomState(trainer.cluster.worker_index)
-    lengths = numpy.full((BATCH,), FRAMES, "int32")
+    lengths = numpy.full((args.batch,), FRAMES, "int32")
     batches = [
         {
-            "data": rng.randn(BATCH, FRAMES, FEATURES).astype("float32"),
+            "data": rng.randn(args.batch, FRAMES, FEATURES).astype("float32"),
             "size:data:0": lengths,
-            "classes": rng.randint(0, 2, (BATCH, FRAMES)).astype("int32"),
+            "classes": rng.randint(0, 2, (args.batch, FRAMES)).astype("int32"),
             "size:classes:0": lengths,
         }
         for _ in range(8)
     ]
-    for i in range(5):  # warm-up: traces, first collectives
+    for i in range(args.warmup):  # warm-up: traces, first collectives (and syncs)
         trainer.train_step([batches[i % 8]], 0.01)
     trainer.workers.all_workers(0)  # barrier
     stats = EpochStats()
@@ -94,7 +94,7 @@ def worker_main(args):
     trainer.workers.all_workers(0)
     seconds = time.perf_counter() - start
     result = {
-        "samples_per_second": trainer.steps.num_replicas * BATCH * args.steps / seconds,
+        "samples_per_second": trainer.steps.num_replicas * args.batch * args.steps / seconds,
         "seconds_per_update": seconds / args.steps,
         "sync_seconds": stats.sync_seconds,  # the loop's wait in local-SGD syncs
         "sync_bytes": stats.sync_bytes,
@@ -134,11 +134,11 @@ def measure_sync(trainer, tf):
 
 
 def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=False, independent=False,
-                options=None, tf_configs=None):
+                options=None, tf_configs=None, batch=BATCH, warmup=5):
     """Runs ``num_workers`` processes (one cluster, or ``independent`` ones); returns worker 0's result,
     with ``samples_per_second`` summed over the processes when they are independent. ``options``:
     more ``distribute_options``; ``tf_configs``: each worker's ``TF_CONFIG`` (default: one cluster
-    on 127.0.0.1)."""
+    on 127.0.0.1); ``batch``: sequences per step; ``warmup``: steps before the measured ones."""
     from returnn_tpu.launcher import free_local_ports
 
     if tf_configs is None and num_workers > 1 and not independent:
@@ -153,7 +153,7 @@ def run_setting(strategy, num_workers, steps, hidden, sync_step=1, measure_sync=
                 env["TF_CONFIG"] = tf_configs[index]
             cmd = [sys.executable, __file__, "--worker", "--strategy", strategy, "--steps", str(steps),
                    "--hidden", str(hidden), "--sync-step", str(sync_step), "--model-dir", model_dir,
-                   "--options", json.dumps(options or {})]
+                   "--options", json.dumps(options or {}), "--batch", str(batch), "--warmup", str(warmup)]
             if measure_sync:
                 cmd.append("--measure-sync")
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -178,6 +178,8 @@ def main():
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--measure-sync", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:

@@ -1,6 +1,7 @@
-"""Local SGD's sync: what the training loop's sync points do (:mod:`.lifecycle`), when the
-replicas' copies are combined (:mod:`.schedule`) and how (:mod:`.averaging` and its variants
-:mod:`.diloco`, :mod:`.slowmo`).
+"""Local SGD's sync: what the training loop's sync points do (:mod:`.lifecycle`; overlapped
+syncs: :class:`OverlappedSyncs`), when the replicas' copies are combined (:mod:`.schedule`) and
+how (:mod:`.averaging` and its variants :mod:`.diloco`, :mod:`.slowmo`; the int8/int4 wire
+format: :mod:`.quantized`).
 
 Every combination runs in replica context (inside ``strategy.run``), the same code for the
 host-driven path (``local_sgd``: the trainer calls a sync function between steps) and the in-step
