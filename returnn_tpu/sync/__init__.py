@@ -72,5 +72,5 @@ def make_syncs(options: DistributeOptions, *, local_sgd: bool, local_replicas: i
     )
     syncs = OverlappedSyncs if options.sync_delay else LocalSGDSyncs
     return syncs(make_averaging(options, keep_synced_model=num_workers > 1), schedule,
-                         sync_steps=None if options.param_sync_time_diff else options.param_sync_step,
-                         ignored_local_step=bool(options.local_param_sync_step) and local_step is None)
+                 sync_steps=None if options.param_sync_time_diff else options.param_sync_step,
+                 ignored_local_step=bool(options.local_param_sync_step) and local_step is None)
