@@ -32,7 +32,7 @@ import tensorflow as tf
 from returnn_tpu.data import read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer, StepLearningRate
-from returnn_tpu.patches import SharedBuildUnsupported, function_graph, variables_over_handles
+from returnn_tpu.patches import BackgroundCalls, SharedBuildUnsupported, function_graph, variables_over_handles
 from returnn_tpu.returnn_bridge import NetworkBuilder, SharedBuild, loss_metrics, static_replica_id, without_summaries
 from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step, varying_shapes_spec
 from returnn_tpu.sync import ParameterAveraging, SyncDue, mean_over_all_replicas, mean_within_groups
@@ -107,7 +107,7 @@ class ReplicaSteps:
         self._snapshot = tf.function(self._snapshot_fn, autograph=False)
         self._reduce = tf.function(self._reduce_fn, autograph=False)
         self._apply = tf.function(self._apply_fn, autograph=False)
-        self._reducing: Optional[_OnThread] = None  # host path: the all-reduce in flight
+        self._background: Optional[BackgroundCalls] = None  # host path: where the all-reduce in flight runs
         self._unreduced: Tuple[int, ...] = ()  # in-step path: fragments taken by the last step, reduced by the next
         # Per-replica batches -> (per-replica gradients by name, metrics), without an update.
         self.replica_gradients = tf.function(
@@ -270,18 +270,16 @@ class ReplicaSteps:
         their all-reduce on a thread, where it runs while the next steps compute."""
         fragments = tuple(fragments)
         self._snapshot(fragments)
-        # Traced here, in the loop's order: every worker's collectives get the same keys (FACTS.md,
-        # "Overlapped syncs").
-        self._reduce.get_concrete_function(fragments)
-        self._reducing = _OnThread(self._reduce, fragments)
+        if self._background is None:
+            self._background = BackgroundCalls()
+        self._background.call(self._reduce, fragments)
 
     def finish_overlapped(self, fragments: Tuple[int, ...], learning_rate: float):
         """Overlapped syncs: waits for the all-reduce in flight (host path; an error in it, such as
         a lost peer, is raised here; in-step path: all-reduces what no step has yet) and applies
         the sync of ``fragments``."""
-        reducing, self._reducing = self._reducing, None
-        if reducing is not None:
-            reducing.result()  # bounded by the collective's own timeout and the peers' health check
+        if self._background is not None:
+            self._background.wait()  # bounded by the collective's own timeout and the peers' health check
         if self._unreduced:
             self._reduce(self._unreduced)
             self._unreduced = ()
@@ -552,23 +550,3 @@ class ReplicaSteps:
     def _start_sync_fn(self):
         self.strategy.run(lambda: self.averaging.start_in_replica(self.strategy, self.trainable()))
 
-
-class _OnThread:
-    """A call on a daemon thread of its own (a process that ends does not wait for it);
-    :meth:`result` waits for it and raises what it raised."""
-
-    def __init__(self, function, *args):
-        self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._run, args=(function, args), name="returnn_tpu sync", daemon=True)
-        self.thread.start()
-
-    def _run(self, function, args):
-        try:
-            function(*args)
-        except BaseException as exc:  # handed to the loop's thread by result()
-            self.error = exc
-
-    def result(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
