@@ -82,8 +82,8 @@ def main():
     settings, rates = SETTINGS, RATES
     if args.smoke:
         args.steps, args.hidden, args.batch = 8, 16, 2
-        settings = [SETTINGS[0], ("DiLoCo N=4, 2 fragments, tau=1, int4", "local_sgd", 4,
-                                  dict(DILOCO, sync_fragments=2, sync_delay=1, sync_dtype="int4"))]
+        settings = [("DiLoCo N=4, 2 fragments, tau=1, int4", "local_sgd", 4,
+                     dict(DILOCO, sync_fragments=2, sync_delay=1, sync_dtype="int4"))]
         rates = (1e8,)
     for rate in rates:
         rows = measure(rate, args.steps, args.hidden, args.batch, settings)

@@ -103,7 +103,7 @@ class ReplicaSteps:
         self._jit_evaluate = tf.function(self._evaluate_xla, autograph=False, jit_compile=True) if jit_compile else None
         self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
         self._start_sync = tf.function(self._start_sync_fn, autograph=False)
-        # Overlapped syncs: the all-reduce of the sync in flight, on a thread of its own.
+        # Overlapped syncs: snapshot, all-reduce (run in the background) and apply.
         self._snapshot = tf.function(self._snapshot_fn, autograph=False)
         self._reduce = tf.function(self._reduce_fn, autograph=False)
         self._apply = tf.function(self._apply_fn, autograph=False)
@@ -267,7 +267,7 @@ class ReplicaSteps:
 
     def start_overlapped(self, fragments: Tuple[int, ...]):
         """Overlapped syncs (host path): takes each replica's change of ``fragments`` now and starts
-        their all-reduce on a thread, where it runs while the next steps compute."""
+        their all-reduce, which runs in the background while the next steps compute."""
         fragments = tuple(fragments)
         self._snapshot(fragments)
         if self._background is None:

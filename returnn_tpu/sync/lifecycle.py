@@ -126,7 +126,7 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
 class OverlappedSyncs(LocalSGDSyncs):
     """Overlapped syncs (``sync_delay`` tau > 0, Streaming DiLoCo): the sync due after an update
     takes each replica's change then, averages it while the next tau updates compute (the
-    in-step path: in the step, kept until then) and is applied after the tau-th, mixed with each
+    in-step path: in the next step) and is applied after the tau-th, mixed with each
     replica's copy (:meth:`ParameterAveraging.apply_in_replica`). A sync's seconds are those the
     loop waits: taking the snapshot, the rest of the all-reduce if it has not ended, applying."""
 
