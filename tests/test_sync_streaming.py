@@ -193,3 +193,17 @@ def test_in_step_overlapped_quantized_syncs_equal_the_host_path(tmp_path, option
     assert_params_close(params(in_step), params(host), atol=1e-5)
     assert [m["syncs"] for m in _metrics(tmp_path / "in_step")] == [m["syncs"] for m in _metrics(tmp_path / "host")]
     assert [m["sync_bytes"] for m in _metrics(tmp_path / "in_step")] == [m["sync_bytes"] for m in _metrics(tmp_path / "host")]
+
+
+def test_the_schedule_applies_an_overlapped_sync_tau_updates_after_it_starts():
+    """And one sync is in flight at a time: a sync due earlier (by time) applies it first."""
+    from returnn_tpu.sync import SyncDue, SyncSchedule
+
+    by_steps = SyncSchedule(8, fragments=2, delay=3)
+    due = [by_steps.step() for _ in range(10)]
+    assert due == [None, None, None, SyncDue(fragments=(0,)), None, None, SyncDue(applied=(0,)),
+                   SyncDue(fragments=(1,)), None, None]
+    by_steps.synced()  # the phase restarts, a sync is still in flight (the epoch's end applies it)
+    assert by_steps.pending() and by_steps.take_in_flight() == (1,) and not by_steps.pending()
+    by_time = SyncSchedule(8, time_diff=0.0, delay=3)
+    assert [by_time.step() for _ in range(2)] == [SyncDue(fragments=(0,)), SyncDue(fragments=(0,), applied=(0,))]

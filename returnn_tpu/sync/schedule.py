@@ -17,14 +17,13 @@ from typing import Callable, Optional, Tuple
 @dataclasses.dataclass(frozen=True)
 class SyncDue:
     """What to sync after a step: ``fragments`` over all replicas, or (``local``) every parameter
-    among the replicas of each worker only. ``overlapped`` (``sync_delay`` > 0): the syncs of
-    ``fragments`` start after the step and are applied later; ``applied`` names the fragments of
-    the sync in flight whose result is applied after this step, before any new one starts."""
+    among the replicas of each worker only. With ``sync_delay`` > 0 the syncs of ``fragments``
+    start after the step and are applied later; ``applied`` names the fragments of the sync in
+    flight whose result is applied after this step, before any new one starts."""
 
     fragments: Tuple[int, ...] = ()
     local: bool = False
     applied: Tuple[int, ...] = ()
-    overlapped: bool = False
 
 
 class SyncSchedule:
@@ -86,8 +85,7 @@ class SyncSchedule:
             self.in_flight, self.updates_in_flight = due.fragments, 0
         if due is None and not applied:
             return None
-        return SyncDue(fragments=due.fragments if due else (), local=bool(due and due.local), applied=applied,
-                       overlapped=True)
+        return SyncDue(fragments=due.fragments if due else (), local=bool(due and due.local), applied=applied)
 
     def _due(self) -> Optional[SyncDue]:
         if self.time_diff is not None:
