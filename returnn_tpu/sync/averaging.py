@@ -30,8 +30,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from returnn_tpu.options import QUANTIZED_SYNC_DTYPES
 from returnn_tpu.strategies import per_replica
-from returnn_tpu.sync.quantized import QUANTIZED_DTYPES, QuantizedWire
+from returnn_tpu.sync.quantized import QuantizedWire
 
 Collective = Callable[[List[tf.Tensor]], List[tf.Tensor]]
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
@@ -99,7 +100,7 @@ class ParameterAveraging:
 
     def __init__(self, sync_dtype: str = "float32", optimizer_state_at_sync: str = "keep",
                  keep_synced_model: bool = False, error_feedback: bool = True, overlapped_mix: Optional[float] = None):
-        self.quantized = QuantizedWire(sync_dtype) if sync_dtype in QUANTIZED_DTYPES else None
+        self.quantized = QuantizedWire(sync_dtype) if sync_dtype in QUANTIZED_SYNC_DTYPES else None
         self.sync_dtype = tf.float32 if self.quantized else tf.as_dtype(sync_dtype)
         self.error_feedback = error_feedback and self.quantized is not None
         self.optimizer_state_at_sync = optimizer_state_at_sync

@@ -28,14 +28,13 @@ from typing import List, Tuple
 import tensorflow as tf
 
 BLOCK = 64  # values per scale: 0.5 bits of scale per value
-QUANTIZED_DTYPES = {"int8": 8, "int4": 4}  # sync_dtype -> bits per value
 
 
 class QuantizedWire:
     """Block-wise symmetric quantization to ``dtype`` (``"int8"`` or ``"int4"``), packed into int32 words."""
 
     def __init__(self, dtype: str):
-        self.bits = QUANTIZED_DTYPES[dtype]
+        self.bits = int(dtype[len("int"):])  # one of options.QUANTIZED_SYNC_DTYPES
         self.qmax = 2 ** (self.bits - 1) - 1
         self.values_per_word = 32 // self.bits
 
