@@ -30,6 +30,8 @@ module without it (FACTS.md, "A producer without TensorFlow").
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import queue
 import sys
@@ -69,6 +71,7 @@ def templates_from_shapes(shapes: Dict[str, dict]):
 
     return TensorDict({key: Tensor(key, **kwargs) for key, kwargs in shapes.items()})
 COUNTERS = ("dropped", "padded_frames", "total_frames")  # what BucketBatching counts while batching
+BUCKET_WINDOW_SEQS = 4096  # a bucket's batch is handed out unfilled when it began this many sequences back
 
 
 class BatchingOptions:
@@ -87,8 +90,11 @@ class BatchingOptions:
         self.max_pad_size = config.typed_value("max_pad_size", None)
         self.shuffle_batches = config.bool("shuffle_batches", False)
 
-    def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:
-        """RETURNN's batches for ``dataset``'s current epoch (a list of ``Batch``, no data loaded)."""
+    def stream(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> Iterator:
+        """RETURNN's batches for ``dataset``'s current epoch (``Batch`` objects, no data loaded),
+        made as they are taken: RETURNN's batch generator is lazy, so a dataset that knows a
+        sequence's length only once it has made it (``CachedDataset2``, generated datasets) makes
+        it only shortly before its batch is read."""
         batch_set = dataset.generate_batches(
             recurrent_net=recurrent,
             batch_size=self.batch_size,
@@ -99,11 +105,14 @@ class BatchingOptions:
             shuffle_batches=self.shuffle_batches and train,
             used_data_keys=used_data_keys,
         )
-        batches = []
         while batch_set.has_more():
-            batches.extend(batch_set.peek_next_n(1))
+            (batch,) = batch_set.peek_next_n(1)
             batch_set.advance(1)
-        return batches
+            yield batch
+
+    def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:
+        """All of :meth:`stream`'s batches of the epoch, as a list."""
+        return list(self.stream(dataset, recurrent=recurrent, used_data_keys=used_data_keys, train=train))
 
     def pad(self, raw: Batch) -> Batch:
         """RETURNN's batches keep their own shapes."""
@@ -157,12 +166,29 @@ class BucketBatching(BatchingOptions):
             return -(-length // self.boundaries[-1]) * self.boundaries[-1]
         return next((b for b in self.boundaries if length <= b), None)
 
-    def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:
+    def stream(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> Iterator:
+        """The bucketed batches of ``dataset``'s current epoch, in the order of their first
+        sequence (a dataset loads sequences in increasing order), made as they are taken. A batch
+        is handed out once it is full and no unfilled bucket began before it; a bucket whose first
+        sequence lies :data:`BUCKET_WINDOW_SEQS` sequences back is handed out unfilled (padded), so
+        at most that many sequences are held, whatever the corpus's size."""
         from returnn.engine.batch import Batch as ReturnnBatch
 
-        pending: Dict[int, "ReturnnBatch"] = {}
-        batches = []
+        pending: Dict[int, "ReturnnBatch"] = {}  # bucket -> its batch being filled
+        ready: List["ReturnnBatch"] = []  # full, waiting for the unfilled ones that began before them
+
+        def handed_out() -> List["ReturnnBatch"]:
+            """The ready batches that begin no later than every pending one, in order."""
+            first_pending = min((b.start_seq for b in pending.values()), default=sys.maxsize)
+            ready.sort(key=lambda b: b.start_seq)
+            out = [b for b in ready if b.start_seq <= first_pending]
+            del ready[: len(out)]
+            return out
+
         for seq_idx, t_start, t_end in dataset.iterate_seqs(recurrent_net=True, used_data_keys=used_data_keys):
+            for bucket, batch in list(pending.items()):  # held too long: out, unfilled
+                if batch.start_seq <= seq_idx - BUCKET_WINDOW_SEQS:
+                    ready.append(pending.pop(bucket))
             length = t_end - t_start
             bucket = self.bucket_of(length[self.key])
             if bucket is None:
@@ -171,10 +197,11 @@ class BucketBatching(BatchingOptions):
             batch = pending.setdefault(bucket, ReturnnBatch())
             batch.add_sequence_as_slice(seq_idx=seq_idx, seq_start_frame=t_start, length=length)
             if batch.num_slices == self.seqs_per_batch(bucket):
-                batches.append(pending.pop(bucket))
-        batches.extend(pending.values())  # incomplete: padded with empty sequences
-        batches.sort(key=lambda b: b.start_seq)
-        return batches
+                ready.append(pending.pop(bucket))
+            yield from handed_out()
+        ready.extend(pending.values())  # incomplete: padded with empty sequences
+        pending.clear()
+        yield from handed_out()
 
     def pad(self, raw: Batch) -> Batch:
         lengths = raw[size_key(self.key, 0)]
@@ -324,22 +351,50 @@ def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
     return batches[: len(batches) - len(tail)] + recut
 
 
-class EpochBatches:
-    """The steps of one epoch: each step has one padded batch per local replica.
+def dealt_stream(batches: Iterable, num_slots: int, *, recurrent: bool) -> Iterator:
+    """``batches`` (a stream), the last few re-cut as :func:`deal_evenly` re-cuts a whole epoch's
+    list, so that their number is a multiple of ``num_slots``: the same batches, without knowing
+    the epoch's length in advance. The tail to re-cut is at most ``2 * num_slots - 1`` batches
+    long, so that many are held back."""
+    held: "collections.deque" = collections.deque()
+    handed_out = 0
+    for batch in batches:
+        held.append(batch)
+        if len(held) >= 2 * num_slots:
+            yield held.popleft()
+            handed_out += 1
+    remainder = (handed_out + len(held)) % num_slots
+    tail = min(len(held), num_slots + remainder) if remainder else 0
+    for _ in range(len(held) - tail):
+        yield held.popleft()
+    yield from deal_evenly(list(held), num_slots, recurrent=recurrent)
 
-    Either one dataset per local replica (each replica walks its own; the epoch has as many
-    steps as the shortest), or one dataset whose batches are dealt in turn to ``num_slots``
-    global replicas, of which this process feeds ``slots`` (a range). The batch lists are made
-    up front (RETURNN's batch generator, no data loaded), so :attr:`num_steps` is known before
-    the first step and workers can agree on it; :meth:`limit_steps` lowers it. Datasets that know
-    a sequence's length only once they have made it (generated ones, ``CachedDataset2``) make the
-    whole epoch here: :attr:`making_seconds` says how long that took. A dealt dataset
-    uses every sequence once (:func:`deal_evenly`).
+
+def release_seqs_before(dataset, seq_idx: int):
+    """Tells ``dataset`` that no sequence before ``seq_idx`` will be read (RETURNN's meaning of a
+    ``load_seqs`` that starts there; an empty one loads nothing): ``CachedDataset2`` and generated
+    datasets then drop what they made for the lengths of batches passed over."""
+    dataset.load_seqs(seq_idx, seq_idx)
+
+
+class EpochBatches:
+    """The steps of one epoch, made as they are taken: each step has one padded batch per local
+    replica.
+
+    Either one dataset per local replica (each replica walks its own; the epoch ends when the
+    first runs out), or one dataset whose batches are dealt in turn to ``num_slots`` global
+    replicas, of which this process feeds ``slots`` (a range). Batches come from RETURNN's lazy
+    batch generator, a bounded number ahead of the step being read (:func:`dealt_stream`,
+    :data:`BUCKET_WINDOW_SEQS`), so the first step does not wait for a pass over the epoch and
+    memory does not grow with it; the number of steps is known only at the end (workers agree
+    where an epoch ends as they go: :class:`returnn_tpu.epochs.AgreedEnd`). A dealt dataset uses
+    every sequence once (:func:`deal_evenly` at the end); batches of other slots, and of steps
+    passed over (:meth:`start_at`), are never read.
 
     With ``pad_last`` (evaluation), the last, incomplete group of a dealt dataset is kept and
     filled with weight-0 copies of the last batch, so every batch is seen exactly once.
     Iterating yields ``(batches, weights)``; data is read on a background thread, ``prefetch``
-    steps ahead.
+    steps ahead. :attr:`start_seconds` is what RETURNN's ``init_seq_order`` took.
     """
 
     def __init__(
@@ -363,48 +418,33 @@ class EpochBatches:
         self.slots = slots if slots is not None else range(len(self.datasets))
         self.num_slots = num_slots or len(self.slots)
         self.prefetch = prefetch
+        self.batching = batching
+        self.recurrent = recurrent
+        self.train = train
+        self.pad_last = pad_last
         self.first_step = 0
         self.batch_offset = 0  # see start_at
-        self.batching = batching
-        self.batch_lists = []
         start = time.perf_counter()
         for dataset in self.datasets:
             init_seq_order(dataset, epoch)
-            self.batch_lists.append(
-                batching.generate(dataset, recurrent=recurrent, used_data_keys=set(self.data_keys), train=train)
-            )
-        self.making_seconds = time.perf_counter() - start
-        if len(self.datasets) > 1:
-            self.num_steps = min(len(batches) for batches in self.batch_lists)
-        elif not pad_last and self.num_slots > 1:
-            self.batch_lists[0] = deal_evenly(self.batch_lists[0], self.num_slots, recurrent=recurrent)
-            self.num_steps = len(self.batch_lists[0]) // self.num_slots
-        elif pad_last:
-            self.num_steps = -(-len(self.batch_lists[0]) // self.num_slots)
-        else:
-            self.num_steps = len(self.batch_lists[0]) // self.num_slots
-
-    def limit_steps(self, num_steps: int):
-        """Ends the epoch after ``num_steps`` steps (e.g. the minimum all workers can do)."""
-        self.num_steps = min(self.num_steps, num_steps)
+        self.start_seconds = time.perf_counter() - start
 
     def start_at(self, step: int, batch_offset: int = 0):
         """Skips the first ``step`` steps (an epoch continued after an interruption); their
-        batches are not loaded. Batch lists depend only on the epoch, so the rest is what the
-        interrupted run would have trained.
+        batches are made (for the order) but not read. Batches depend only on the epoch, so the
+        rest is what the interrupted run would have trained.
 
         ``batch_offset`` (a dealt dataset only): step ``s`` takes the batches from index
         ``batch_offset + s * num_slots``, to continue an epoch that another number of replicas
-        began at any batch. The dealt list holds whole steps, so from an offset the last
-        step would be incomplete: the epoch has one step fewer (``num_slots - batch_offset``
-        batches of its end are left out).
+        began at any batch; the last, incomplete step is left out.
         """
-        self.first_step = step
-        if batch_offset:
-            if len(self.datasets) > 1:
-                raise ValueError("a batch offset needs one dataset dealt to the replicas")
-            self.batch_offset = batch_offset
-            self.num_steps = min(self.num_steps, (len(self.batch_lists[0]) - batch_offset) // self.num_slots)
+        if batch_offset and len(self.datasets) > 1:
+            raise ValueError("a batch offset needs one dataset dealt to the replicas")
+        self.first_step, self.batch_offset = step, batch_offset
+
+    def _stream(self, dataset) -> Iterator:
+        return self.batching.stream(dataset, recurrent=self.recurrent, used_data_keys=set(self.data_keys),
+                                    train=self.train)
 
     def _raw_batch(self, dataset, batch) -> Batch:
         from returnn.engine.batch import batch_to_raw_dict
@@ -417,73 +457,141 @@ class EpochBatches:
                 out[size_key(key, 0)] = raw[f"{key}_seq_lens"].astype("int32")
         return self.batching.pad(out)
 
-    def _step(self, step: int):
-        if len(self.datasets) > 1:
-            return [self._raw_batch(d, b[step]) for d, b in zip(self.datasets, self.batch_lists)], [1.0] * len(
-                self.datasets
-            )
-        dataset, batches = self.datasets[0], self.batch_lists[0]
-        out, weights = [], []
-        for slot in self.slots:
-            index = self.batch_offset + step * self.num_slots + slot
-            if index < len(batches):
-                out.append(self._raw_batch(dataset, batches[index]))
-                weights.append(1.0)
-            else:  # only with pad_last: a placeholder that counts zero (the last batch: datasets
-                # such as generated ones can only load sequences in increasing order)
-                out.append(self._raw_batch(dataset, batches[-1]))
-                weights.append(0.0)
-        return out, weights
+    @staticmethod
+    def _passed_over(dataset, batches: Iterator, count: int) -> Iterator:
+        """``batches`` after its first ``count``, which are made but not read."""
+        for _ in range(count):
+            batch = next(batches, None)
+            if batch is None:
+                break
+            release_seqs_before(dataset, batch.start_seq)
+        return batches
 
-    def __iter__(self) -> Iterator[Tuple[List[Batch], List[float]]]:
+    def _own_copies(self) -> Iterator[Tuple[List[Batch], List[float]]]:
+        """One dataset per replica: a step while every replica has a batch."""
+        streams = [self._passed_over(d, self._stream(d), self.first_step) for d in self.datasets]
+        for step in zip(*streams):
+            yield [self._raw_batch(d, b) for d, b in zip(self.datasets, step)], [1.0] * len(self.datasets)
+
+    def _dealt(self) -> Iterator[Tuple[List[Batch], List[float]]]:
+        """One dataset, its batches dealt to ``num_slots`` replicas in turn; ours are ``slots``."""
+        dataset, n = self.datasets[0], self.num_slots
+        batches = self._stream(dataset)
+        if not self.pad_last and n > 1:
+            batches = dealt_stream(batches, n, recurrent=self.recurrent)
+        batches = self._passed_over(dataset, batches, self.batch_offset + self.first_step * n)
+        while True:
+            group = list(itertools.islice(batches, n))
+            if not group or (len(group) < n and not self.pad_last):
+                return
+            out, weights = [], []
+            for slot in self.slots:
+                if slot < len(group):
+                    out.append(self._raw_batch(dataset, group[slot]))
+                    weights.append(1.0)
+                else:  # only with pad_last: a placeholder that counts zero (the last batch: datasets
+                    # such as generated ones can only load sequences in increasing order)
+                    out.append(self._raw_batch(dataset, group[-1]))
+                    weights.append(0.0)
+            yield out, weights
+
+    def steps(self) -> Iterator[Tuple[List[Batch], List[float]]]:
+        """The steps, read on the caller's thread; the datasets' epoch is finished at the end."""
         try:
-            yield from read_ahead((self._step(step) for step in range(self.first_step, self.num_steps)),
-                                  self.prefetch, name="returnn_tpu batches")
+            yield from self._own_copies() if len(self.datasets) > 1 else self._dealt()
         finally:
             for dataset in self.datasets:
                 dataset.finish_epoch()
 
+    def __iter__(self) -> Iterator[Tuple[List[Batch], List[float]]]:
+        """The steps, read on a background thread ``prefetch`` steps ahead."""
+        return read_ahead(self.steps(), self.prefetch, name="returnn_tpu batches")
 
-def read_ahead(items: Iterable, depth: int, *, name: str, transform: Optional[Callable] = None) -> Iterator:
-    """The items of ``items`` (each passed through ``transform``), made on a background thread
-    up to ``depth`` items ahead of the caller, so that reading (or copying to a device) overlaps
-    what the caller does with the previous item. An error on the thread is raised to the caller
-    at that item. When the caller stops early, the thread stops and ``items`` is closed (a
-    generator's ``finally`` runs) before this returns."""
-    results: "queue.Queue" = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
 
-    def run():
+class ReadAhead:
+    """The items of ``items`` (each passed through ``transform``), made on a background thread up
+    to ``depth`` items ahead of the caller, so that reading (or copying to a device) overlaps what
+    the caller does with the previous item. An error on the thread is raised to the caller at that
+    item. When the caller stops early, the thread stops and ``items`` is closed (a generator's
+    ``finally`` runs) before iteration returns.
+
+    Another thread may ask how far it has got (:meth:`wait_made`): the items made so far (taken
+    or waiting) and whether ``items`` has ended; that is how workers agree where an epoch ends
+    (:class:`returnn_tpu.epochs.AgreedEnd`). Iterate once.
+    """
+
+    def __init__(self, items: Iterable, depth: int, *, name: str, transform: Optional[Callable] = None):
+        self._results: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._progress = threading.Condition()
+        self.made = 0
+        self.ended = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(items, transform), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, items: Iterable, transform: Optional[Callable]):
         iterator = iter(items)
         try:
-            while not stop.is_set():
+            while not self._stop.is_set():
                 try:
                     item = next(iterator)
                 except StopIteration:
-                    results.put(end)
+                    self._results.put(_END)
+                    self._advance(ended=True)
                     return
-                results.put(transform(item) if transform else item)
+                self._results.put(transform(item) if transform else item)
+                self._advance()
         except BaseException as exc:  # handed to the caller, which re-raises it
-            results.put(exc)
+            self._results.put(exc)
+            self._advance(error=exc)
         finally:
             if hasattr(iterator, "close"):
                 iterator.close()
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = results.get()
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock the thread if it waits on a full queue
-            try:
-                results.get(timeout=0.1)
-            except queue.Empty:
-                pass
+    def _advance(self, ended: bool = False, error: Optional[BaseException] = None):
+        with self._progress:
+            self.made += not (ended or error)
+            self.ended |= ended
+            self._error = self._error or error
+            self._progress.notify_all()
+
+    def wait_made(self, count: int, report_seconds: float = 60.0) -> Tuple[int, bool]:
+        """Waits until ``count`` items are made or ``items`` has ended (an error it raised is
+        raised here too); reports a wait every ``report_seconds`` on stderr. Returns the items
+        made so far and whether ``items`` has ended."""
+        waited = 0.0
+        with self._progress:
+            while self.made < count and not (self.ended or self._error):
+                if not self._progress.wait(timeout=report_seconds):
+                    waited += report_seconds
+                    print(f"returnn-tpu: waited {waited:.0f} s for item {count} of {self._thread.name}",
+                          file=sys.stderr, flush=True)
+            if self._error is not None and self.made < count:
+                raise self._error
+            return self.made, self.ended
+
+    def __iter__(self) -> Iterator:
+        try:
+            while True:
+                item = self._results.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._stop.set()
+            while self._thread.is_alive():  # unblock the thread if it waits on a full queue
+                try:
+                    self._results.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+
+
+_END = object()  # ReadAhead's end of the items
+
+
+def read_ahead(items: Iterable, depth: int, *, name: str, transform: Optional[Callable] = None) -> Iterator:
+    """:class:`ReadAhead`'s items, its thread started when the first is asked for."""
+    yield from ReadAhead(items, depth, name=name, transform=transform)

@@ -1,5 +1,5 @@
-"""What an epoch is for this worker: which batches each of its replicas trains, the step count all
-workers agree on, and the evaluation data.
+"""What an epoch is for this worker: which batches each of its replicas trains, where all workers
+agree that it ends, and the evaluation data.
 
 The one owner of those decisions (docs/data.md): ``dataset_distribution`` says whether every
 replica walks its own copy of the train dataset (``random_seed_offset``) or one order is dealt
@@ -11,14 +11,92 @@ thread here). RETURNN's batching options, or XLA's buckets, say how sequences be
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional, Tuple
+import time
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy
 
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import init_eval_datasets, init_seq_order, size_key, template_shapes
+from returnn_tpu.data import ReadAhead, init_eval_datasets, init_seq_order, size_key, template_shapes
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
+
+AHEAD_STEPS = 16  # with several workers: how many steps each makes ahead (what one agreement can cover)
+
+
+class TrainEpoch:
+    """One epoch's training steps on this worker, ending where all workers agree.
+
+    No worker knows in advance how many steps its data gives: batches are made as they are taken
+    (:class:`returnn_tpu.data.EpochBatches`, or the producer's). Workers agree on a horizon as they
+    go: when a worker reaches it, it waits until it has data for one more step or knows its data
+    has ended, and all workers exchange how many steps they have made and whether that is all (one
+    small all-gather, on the loop's thread, at the same step on every worker). The new horizon is
+    the least any worker has; where a worker whose data ended has no more than that, the epoch
+    ends there. Thus all workers train the same number of steps, the smallest any of them has, as
+    before, without a pass over the epoch first; each worker makes up to ``ahead`` steps ahead, so
+    one agreement covers about that many steps. With one worker nothing is exchanged.
+
+    ``local`` (:class:`returnn_tpu.data.EpochBatches` or :class:`returnn_tpu.producer.ProducedEpoch`)
+    gives this worker's steps. After iteration, :attr:`steps_done` is the epoch's step count, and
+    :attr:`agreements`, :attr:`agree_seconds`, :attr:`agree_bytes` what agreeing cost.
+    """
+
+    def __init__(self, local, workers, num_workers: int, ahead: int):
+        self.local = local
+        self.workers = workers
+        self.num_workers = num_workers
+        self.ahead = ahead
+        self.start_seconds = local.start_seconds  # RETURNN's init_seq_order of the epoch
+        self.first_step = 0
+        self.steps_done = 0
+        self.agreements = 0
+        self.agree_seconds = 0.0
+        self.agree_bytes = 0
+
+    def start_at(self, step: int, batch_offset: int = 0):
+        """Continues the epoch at ``step`` (see :meth:`returnn_tpu.data.EpochBatches.start_at`)."""
+        self.local.start_at(step, batch_offset)
+        self.first_step = step
+
+    def steps(self, on_device: Callable) -> Iterator[Tuple[int, tuple]]:
+        """``(step, (batches, weights))`` of the epoch, the batches passed through ``on_device``
+        (an iterator of steps to an iterator of steps); ends where all workers agree."""
+        made = ReadAhead(self.local.steps(), self.ahead, name="returnn_tpu batches")
+        items = iter(on_device(made))
+        horizon, end_known, step = self.first_step, False, self.first_step
+        try:
+            while True:
+                if step >= horizon:
+                    if end_known:
+                        return
+                    horizon, end_known = self._agree(made, step)
+                    if step >= horizon:
+                        return
+                yield step, next(items)
+                step += 1
+        finally:
+            self.steps_done = step
+            if hasattr(items, "close"):
+                items.close()
+
+    def __iter__(self) -> Iterator[tuple]:
+        """``(batches, weights)`` of each step, as read (not copied to devices)."""
+        return (item for _, item in self.steps(iter))
+
+    def _agree(self, made: ReadAhead, step: int) -> Tuple[int, bool]:
+        """At the horizon ``step``: the next horizon, and whether the epoch ends there."""
+        count, ended = made.wait_made(step + 1 - self.first_step)
+        ready = self.first_step + count
+        if self.num_workers == 1:
+            return ready, ended
+        start = time.perf_counter()
+        rows = self.workers.rows([float(ready), float(ended)])
+        self.agreements += 1
+        self.agree_seconds += time.perf_counter() - start
+        self.agree_bytes += self.workers.row_bytes(2)
+        horizon = int(min(row[0] for row in rows))
+        return horizon, any(row[1] and int(row[0]) == horizon for row in rows)
 
 
 class EpochData:
@@ -53,6 +131,7 @@ class EpochData:
         self.extern_data, self.data_keys, self.recurrent = None, [], False
         self.bucket_boundaries: Optional[List[int]] = None
         self.batching = self.eval_batching = None
+        self.steps_expected: Optional[int] = None  # the last epoch's steps: for the progress line
 
     def _start_producer(self, config_source: Tuple[str, List[str]]):
         """The training data's producer (``data_producer``): this worker's own process; with
@@ -139,10 +218,12 @@ class EpochData:
             self.batching = BucketBatching(self.config, self.bucket_boundaries, key)
             self.eval_batching = BucketBatching(self.config, self.bucket_boundaries, key, keep_longer=True)
 
-    def train_batches(self, epoch: int, while_waiting: Optional[Callable[[], None]] = None) -> EpochBatches:
-        """This worker's training batches of ``epoch``; ``while_waiting`` is called while a producer
-        makes them."""
-        return self._batches(self.train_datasets, epoch, train=True, while_waiting=while_waiting)
+    def train_batches(self, epoch: int, while_waiting: Optional[Callable[[], None]] = None) -> TrainEpoch:
+        """This worker's training steps of ``epoch``; ``while_waiting`` is called while a producer
+        starts the epoch."""
+        local = self._batches(self.train_datasets, epoch, train=True, while_waiting=while_waiting)
+        ahead = max(self.options.data_prefetch, AHEAD_STEPS if self.cluster.num_workers > 1 else 0)
+        return TrainEpoch(local, self.workers, self.cluster.num_workers, ahead)
 
     def continue_epoch(self, batches, steps_done: int, replicas_before: Optional[int] = None) -> Tuple[int, str]:
         """Has ``batches`` (an epoch's training batches) continue after ``steps_done`` steps that
@@ -182,10 +263,11 @@ class EpochData:
         return [batch] * self.local_replicas
 
     def eval_batches(self, dataset, epoch: int) -> EpochBatches:
-        """This worker's share of ``dataset``'s batches: every batch once over all replicas."""
+        """This worker's share of ``dataset``'s batches: every batch once over all replicas (the
+        same number of steps on every worker: each deals the same batches)."""
         return self._batches([dataset], epoch, train=False)
 
-    def _batches(self, datasets, epoch: int, *, train: bool, while_waiting=None) -> EpochBatches:
+    def _batches(self, datasets, epoch: int, *, train: bool, while_waiting=None):
         # random_seed_offset: every replica walks its own copy (also with one replica per worker);
         # shard, and always for evaluation: one order, dealt to the replicas of all workers in turn.
         own_copies = train and self.options.dataset_distribution == "random_seed_offset"
@@ -204,12 +286,9 @@ class EpochData:
             pad_last=not train,
         )
         if train and self.producer:
-            batches = self.producer.epoch(**what, templates=template_shapes(self.extern_data, self.data_keys),
-                                          while_waiting=while_waiting)
-        else:
-            batches = EpochBatches(datasets, extern_data=self.extern_data, prefetch=self.options.data_prefetch, **what)
-        batches.limit_steps(min(self.workers.all_workers(batches.num_steps)))
-        return batches
+            return self.producer.epoch(**what, templates=template_shapes(self.extern_data, self.data_keys),
+                                       while_waiting=while_waiting)
+        return EpochBatches(datasets, extern_data=self.extern_data, prefetch=self.options.data_prefetch, **what)
 
     def xla_counters(self) -> Optional[dict]:
         """With buckets (XLA): the padded and total frames and the dropped sequences since the last

@@ -8,9 +8,11 @@ time in steps, not in Python reading and padding data, which shares a core with 
 dispatch.
 
 Per epoch the trainer sends what the batches depend on (the network's data keys, whether it is
-recurrent, RETURNN's batching options, the replicas' slots); the producer answers with the
-number of steps (so workers agree on it before the first step), then writes each step's arrays
-into a new POSIX shared memory block, at most ``data_prefetch`` steps ahead. Only the block's
+recurrent, RETURNN's batching options, the replicas' slots); the producer starts the epoch
+(RETURNN's ``init_seq_order``) and says so, then, after the trainer's ``go`` (the step to begin
+at), makes the steps as they are taken and writes each step's arrays into a new POSIX shared
+memory block, at most ``data_prefetch`` steps ahead, until the data ends (``end``) or the trainer
+says ``stop`` (where all workers agreed the epoch ends: :class:`returnn_tpu.epochs.TrainEpoch`). Only the block's
 name and the arrays' layout travel through the queue; the trainer copies the arrays out (one
 ``memcpy``) and frees the block.
 
@@ -25,19 +27,16 @@ through the workers' collective, together with a random key that every connectio
 A producer that raises ends training with its error (the last line of its traceback; bad input
 it finds, such as a dataset that refuses its options, is the one-line error of bad input); one
 that dies (killed, out of memory) is found within :data:`LIVENESS_SECONDS`, a remote one within
-:data:`REMOTE_SILENCE_SECONDS` (it sends a heartbeat while it has nothing else to send). An epoch
-never ends short: the trainer expects exactly the number of steps it was told.
+:data:`REMOTE_SILENCE_SECONDS` (it sends a heartbeat while it has nothing else to send).
 """
 
 from __future__ import annotations
 
 import atexit
-import copy
 import glob
 import itertools
 import multiprocessing
 import os
-import pickle
 import queue
 import shutil
 import signal
@@ -128,14 +127,12 @@ class DataProducer:
               while_waiting: Optional[Callable[[], None]] = None) -> "ProducedEpoch":
         """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`,
         with ``templates`` from :func:`returnn_tpu.data.template_shapes` for its ``extern_data``);
-        returns once the producer has made the batch lists and knows the number of steps (which
-        can take long: ``while_waiting`` is called about every second meanwhile, and may raise)."""
+        returns once the producer has started the epoch (``while_waiting`` is called about every
+        second meanwhile, and may raise)."""
         self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), templates=templates,
                                 recurrent=recurrent, train=train, slots=slots, num_slots=num_slots,
                                 pad_last=pad_last))
-        what = f"epoch {epoch}'s batch lists"
-        num_steps, making_seconds = expect(self.receive(what=what, while_waiting=while_waiting), "steps", what)
-        return ProducedEpoch(self, num_steps, batching, making_seconds)
+        return ProducedEpoch.started(self, epoch, batching, while_waiting)
 
     # What ProducedEpoch needs of a producer (RemoteProducer has the same).
 
@@ -158,7 +155,7 @@ class DataProducer:
     def receive(self, what: str = "a batch", while_waiting: Optional[Callable[[], None]] = None):
         """The next message from the producer; :class:`ProducerError` if it failed, died, or was
         stopped (SIGSTOP) for STOPPED_SECONDS. A long wait is reported every WAIT_REPORT_SECONDS
-        (a large dataset's batch lists can take long; a hung dataset is then seen, not silent)."""
+        (a hung dataset is then seen, not silent)."""
         waited = stopped = 0.0
         while True:
             try:
@@ -202,39 +199,41 @@ class DataProducer:
 
 class ProducedEpoch:
     """An epoch's batches from the producer, with the interface of
-    :class:`returnn_tpu.data.EpochBatches` (``num_steps``, ``making_seconds``, ``limit_steps``,
-    ``start_at``, iteration)."""
+    :class:`returnn_tpu.data.EpochBatches` that training uses (``start_seconds``, ``start_at``,
+    ``steps``)."""
 
-    def __init__(self, producer: DataProducer, num_steps: int, batching, making_seconds: float):
+    def __init__(self, producer, batching, start_seconds: float):
         self.producer = producer
-        self.num_steps = num_steps
-        self.making_seconds = making_seconds  # the producer's, also when it made them ahead
+        self.batching = batching
+        self.start_seconds = start_seconds  # the producer's init_seq_order
         self.first_step = 0
         self.batch_offset = 0
-        self.batching = batching
 
-    def limit_steps(self, num_steps: int):
-        self.num_steps = min(self.num_steps, num_steps)
+    @classmethod
+    def started(cls, producer, epoch: int, batching, while_waiting=None) -> "ProducedEpoch":
+        """Epoch ``epoch``, once ``producer`` (asked for it) says that it has started it."""
+        what = f"the start of epoch {epoch}"
+        (start_seconds,) = expect(producer.receive(what=what, while_waiting=while_waiting), "started", what)
+        return cls(producer, batching, start_seconds)
 
     def start_at(self, step: int, batch_offset: int = 0):
         self.first_step, self.batch_offset = step, batch_offset
-        if batch_offset:  # as EpochBatches.start_at: the dealt list holds whole steps, one fewer from an offset
-            self.num_steps -= 1
 
-    def __iter__(self) -> Iterator[Tuple[List[dict], List[float]]]:
+    def steps(self) -> Iterator[Tuple[List[dict], List[float]]]:
+        """The steps, as the producer sends them, to the end of its data; stopped early, the
+        producer is told to stop and what it made ahead is freed."""
         producer = self.producer
-        producer.send("go", (self.first_step, self.num_steps, self.batch_offset))
+        producer.send("go", (self.first_step, self.batch_offset))
         finished = False
         try:
-            for step in range(self.first_step, self.num_steps):
-                message = producer.receive(what=f"step {step + 1} of {self.num_steps}")
-                if message[0] == "end":  # only when another worker's trainer stopped the shared producer
-                    raise ProducerError(f"the data producer ended the epoch after {step} of {self.num_steps} "
-                                        "steps: another worker stopped")
+            for step in itertools.count(self.first_step):
+                message = producer.receive(what=f"step {step + 1}")
+                if message[0] == "end":
+                    (counters,) = message[1:]
+                    self.batching.add_counters(counters)
+                    finished = True
+                    return
                 yield producer.unpack(message), message[3]
-            (counters,) = expect(producer.receive(what="the end of the epoch"), "end", "the end of the epoch")
-            self.batching.add_counters(counters)
-            finished = True
         finally:
             if not finished and producer.alive():  # stopped early: drain and free the blocks
                 try:
@@ -275,9 +274,7 @@ class RemoteProducer:
               **_request) -> ProducedEpoch:
         """Epoch ``epoch``'s batches for this worker (worker 0 asks for all workers' batches)."""
         self.send("epoch", epoch)
-        what = f"epoch {epoch}'s batch lists"
-        num_steps, making_seconds = expect(self.receive(what=what, while_waiting=while_waiting), "steps", what)
-        return ProducedEpoch(self, num_steps, batching, making_seconds)
+        return ProducedEpoch.started(self, epoch, batching, while_waiting)
 
     def send(self, kind: str, payload):
         try:
@@ -556,15 +553,8 @@ def _serve(setup: dict, commands, results):
 
 
 class _EpochMaker:
-    """The producer's :class:`returnn_tpu.data.EpochBatches`, the next epoch's made ahead.
-
-    Making an epoch's batch lists is most of the work for many RETURNN datasets (generated
-    ones, and those based on ``CachedDataset2``, know a sequence's length only once they have
-    made it). The producer holds one copy of the datasets (one per replica it feeds with
-    ``random_seed_offset``): once the last batch of epoch E is handed out, a thread makes
-    epoch E + 1's lists on it, with the request of epoch E but for E + 1, while the trainer
-    trains its last steps and evaluates; if the trainer then asks for something else (a new
-    network, other batching options), it is made anew.
+    """The producer's training datasets (one per replica it feeds with ``random_seed_offset``) and
+    their :class:`returnn_tpu.data.EpochBatches`.
 
     No TensorFlow here (FACTS.md, "A producer without TensorFlow"): the trainer sends with each
     request the shapes of the network's ``extern_data`` (:func:`returnn_tpu.data.template_shapes`).
@@ -577,80 +567,37 @@ class _EpochMaker:
         config = load_config(setup["config_filename"], setup["overrides"])
         self.datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
                                       setup["distribution"])
-        self.ahead: Optional[Tuple[dict, threading.Thread, list]] = None  # (request, thread, [batches or error])
 
-    def _make(self, request: dict):
+    def start(self, request: dict):
+        """The EpochBatches of ``request`` (its epoch started: RETURNN's ``init_seq_order``)."""
         from returnn_tpu.data import EpochBatches, templates_from_shapes
 
         request = dict(request)
         extern_data = templates_from_shapes(request.pop("templates"))
         return EpochBatches(self.datasets, extern_data=extern_data, prefetch=1, **request)
 
-    def take(self, request: dict):
-        """The EpochBatches of ``request``: the one made ahead if it is that one."""
-        if self.ahead:
-            made_for, thread, result = self.ahead
-            self.ahead = None
-            thread.join()
-            if _same_request(made_for, request):
-                if isinstance(result[0], BaseException):
-                    raise result[0]
-                return result[0]
-        return self._make(request)
-
-    def make_next(self, request: dict):
-        """Starts making the epoch after ``request``'s, on a thread (once ``request``'s epoch has
-        read all its data: the datasets are those of that epoch)."""
-        following = dict(request, epoch=request["epoch"] + 1, batching=copy.deepcopy(request["batching"]))
-        following["batching"].take_counters()
-        result: list = [None]
-
-        def make():
-            try:
-                result[0] = self._make(following)
-            except BaseException as exc:  # noqa: BLE001 (raised when that epoch is asked for)
-                result[0] = exc
-
-        thread = threading.Thread(target=make, name="returnn_tpu next epoch", daemon=True)
-        thread.start()
-        self.ahead = (following, thread, result)
-
-
-def _same_request(made_for: dict, request: dict) -> bool:
-    """Whether batches made for ``made_for`` are those of ``request`` (counters aside)."""
-    from returnn_tpu.data import COUNTERS
-
-    def plain(entry):
-        batching = {k: v for k, v in vars(entry["batching"]).items() if k not in COUNTERS}
-        return pickle.dumps({**entry, "batching": (type(entry["batching"]), sorted(batching.items()))})
-
-    return plain(made_for) == plain(request)
-
 
 def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, workers: Optional[_Workers]):
-    """Epoch ``request["epoch"]``: its step count to the trainer (and the other workers, which ask
-    for the same epoch), then, after the trainer's ``go``, each step's batches, until the end or
-    the trainer's ``stop``."""
+    """Epoch ``request["epoch"]``: started (and the other workers, which ask for the same epoch,
+    told), then, after the trainer's ``go``, each step's batches, until the data ends or the
+    trainer says ``stop``."""
     others = range(1, len(workers.connections) + 1) if workers else range(0)
-    batches = epochs.take(request)
+    batches = epochs.start(request)
     for worker in others:
         asked = workers.receive(worker, "epoch")
         if asked != request["epoch"]:
             raise ProducerError(f"worker {worker} asked the data producer for epoch {asked}, worker 0 for "
                                 f"{request['epoch']}")
-    results.put(("steps", batches.num_steps, batches.making_seconds))
+    results.put(("started", batches.start_seconds))
     for worker in others:
-        workers.send(worker, ("steps", batches.num_steps, batches.making_seconds))
-    ((first_step, num_steps, batch_offset),) = expect(commands.recv(), "go", "the steps to make")
+        workers.send(worker, ("started", batches.start_seconds))
+    ((first_step, batch_offset),) = expect(commands.recv(), "go", "the step to begin at")
     for worker in others:
-        if workers.receive(worker, "go") != (first_step, num_steps, batch_offset):
+        if workers.receive(worker, "go") != (first_step, batch_offset):
             raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
     batches.start_at(first_step, batch_offset)
-    batches.limit_steps(num_steps)
-    stopped = False
     for step_batches, weights in batches:
         if commands.poll() and commands.recv()[0] == "stop":
-            stopped = True
             break
         if workers:
             own_batches, own_weights = workers.own_part(step_batches, weights, 0)
@@ -659,8 +606,6 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
                 workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
         else:
             results.put(("step", *_put_block(step_batches), weights))
-    if not stopped:
-        epochs.make_next(request)
     results.put(("end", batches.batching.take_counters()))
     for worker in others:
         workers.send(worker, ("end", {}))

@@ -45,13 +45,21 @@ class EpochStats:
     skipped_nonfinite: int = 0  # updates not applied: NaN/Inf loss or gradient (skip_nonfinite_steps)
     step_seconds: float = 0.0  # in the train steps (syncs included): RETURNN's "computing time"
     data_wait_seconds: float = 0.0  # waiting for the next batch
-    data_making_seconds: float = 0.0  # making the batch lists (a producer does so while the epoch before trains)
+    data_start_seconds: float = 0.0  # RETURNN's init_seq_order of the epoch (in the producer, if there is one)
+    agreements: int = 0  # several workers: exchanges of where the epoch ends (epochs.TrainEpoch)
+    agree_seconds: float = 0.0
+    agree_bytes: int = 0  # what this worker handed to those exchanges
     trace_seconds: float = 0.0  # building the network and tracing the train step (at the start, at a network change)
     startup_seconds: Optional[float] = None  # the process's first epoch: from its start to the first step's end
 
     @property
     def computing_time_share(self) -> float:
         return self.step_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def add_agreements(self, count: int, seconds: float, sent_bytes: int):
+        self.agreements += count
+        self.agree_seconds += seconds
+        self.agree_bytes += sent_bytes
 
     def add_sync(self, seconds: float, sent_bytes: int, local: bool = False):
         if local:
@@ -120,7 +128,9 @@ class StepProgress:
         self.exp_loss = exp_loss
         self.start = time.time()
 
-    def step(self, step: int, num_steps: int, sums: Dict[str, float], seconds: float):
+    def step(self, step: int, num_steps: Optional[int], sums: Dict[str, float], seconds: float):
+        """Step ``step``'s line; ``num_steps``: the epoch's expected steps (the last epoch's; None
+        in the first, where only the elapsed time is shown)."""
         from returnn.util.basic import hms
 
         info = {}
@@ -131,13 +141,13 @@ class StepProgress:
                 if self.exp_loss and key.startswith("cost:"):
                     info[key + ":exp"] = float(numpy.exp(info[key]))
         elapsed = time.time() - self.start
-        complete = (step + 1) / max(num_steps, 1)
         parts = [self.prefix, f"step {step}"] + [f"{k} {v}" for k, v in sorted(info.items())] + [
             f"{seconds:.3f} sec/step",
             f"elapsed {hms(elapsed)}",
-            f"exp. remaining {hms(elapsed / complete - elapsed)}",
-            f"complete {complete * 100:.02f}%",
         ]
+        if num_steps:
+            complete = min((step + 1) / num_steps, 1.0)
+            parts += [f"exp. remaining {hms(elapsed / complete - elapsed)}", f"complete {complete * 100:.02f}%"]
         print(", ".join(parts), file=self.log.v5)
 
 
@@ -224,13 +234,10 @@ class EpochReport:
         train_prefix = ("pre" if epoch_name.startswith("pretrain") else "") + f"train epoch {epoch}"
         print(f"{train_prefix}, finished after {stats.steps} steps, {hms(stats.seconds)} elapsed "
               f"({100 * stats.computing_time_share:.1f}% computing time)", file=self.log.v3)  # RETURNN's line
-        # Not in the process's first epoch (startup_seconds set): nothing could be made ahead of it.
-        made_ahead = stats.startup_seconds is None
-        waited = stats.data_wait_seconds > 0.05 * stats.seconds
-        if made_ahead and waited and stats.data_making_seconds > stats.step_seconds:
-            print(f"{train_prefix}: {stats.data_wait_seconds:.1f} s waiting for data; making its batch lists took "
-                  f"{stats.data_making_seconds:.1f} s, its steps {stats.step_seconds:.1f} s: the dataset is slower "
-                  "than the training", file=self.log.v3)
+        # Not in the process's first epoch (startup_seconds set): the producer's start is waited for.
+        if stats.startup_seconds is None and stats.data_wait_seconds > 0.05 * stats.seconds:
+            print(f"{train_prefix}: {stats.data_wait_seconds:.1f} s waiting for data, {stats.step_seconds:.1f} s in "
+                  "its steps: the dataset is slower than the training", file=self.log.v3)
         print(f"{epoch_name} score: {format_score(train_score)} error: {format_score(train_error)} "
               f"elapsed: {hms(stats.seconds)}", file=self.log.v1)
         if dev_results:
@@ -252,7 +259,9 @@ class EpochReport:
                       skipped_nonfinite_updates=stats.skipped_nonfinite, threads=process_threads(),
                       computing_time_share=round(stats.computing_time_share, 4),
                       data_wait_seconds=round(stats.data_wait_seconds, 3),
-                      data_making_seconds=round(stats.data_making_seconds, 3),
+                      data_start_seconds=round(stats.data_start_seconds, 3),
+                      agreements=stats.agreements, agree_seconds=round(stats.agree_seconds, 4),
+                      agree_bytes=stats.agree_bytes,
                       trace_seconds=round(stats.trace_seconds, 3))
         if stats.startup_seconds is not None:
             record["startup_seconds"] = round(stats.startup_seconds, 3)

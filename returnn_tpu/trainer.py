@@ -248,9 +248,9 @@ class Trainer:
         if note:
             print(f"returnn-tpu: epoch {epoch} {note}", file=self.log.v2)
         self.checkpoints.synced(epoch, first_step, self.updates_done)  # the copies are one model here
-        stats.data_making_seconds = batches.making_seconds
-        waited_since = start  # making the epoch's batch lists is waiting for data too
-        for step, (step_batches, _) in enumerate(self.steps.on_device(batches), start=first_step):
+        stats.data_start_seconds = batches.start_seconds
+        waited_since = start  # starting the epoch's data is waiting for data too
+        for step, (step_batches, _) in batches.steps(self.steps.on_device):
             self._stop_if_requested(epoch, step, stats)
             step_start = time.perf_counter()
             stats.data_wait_seconds += step_start - waited_since
@@ -262,16 +262,19 @@ class Trainer:
             if (step + 1) % NONFINITE_CHECK_STEPS == 0:
                 self.check_nonfinite(epoch, stats)
             if progress:
-                progress.step(step, batches.num_steps, self.steps.local_sums(metrics), time.perf_counter() - step_start)
+                progress.step(step, self.data.steps_expected, self.steps.local_sums(metrics),
+                              time.perf_counter() - step_start)
             waited_since = time.perf_counter()
-        if batches.num_steps == 0:
+        stats.add_agreements(batches.agreements, batches.agree_seconds, batches.agree_bytes)
+        self.data.steps_expected = batches.steps_done
+        if batches.steps_done == 0:
             raise ConfigError(f"train: epoch {epoch} has no batch for every replica (too few sequences, or all "
                               "longer than max_seq_length); check the dataset and batching options")
         if not self.network.built:  # continued at the epoch's end (the model of its last sync): no step ran
             self._build(self.data.placeholder_step())
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
         self.syncs.at_epoch_end(self.steps, learning_rate, stats)
-        self.checkpoints.synced(epoch, batches.num_steps, self.updates_done)
+        self.checkpoints.synced(epoch, batches.steps_done, self.updates_done)
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)
         if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
@@ -321,13 +324,13 @@ class Trainer:
                              f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}")
 
     def _stop_while_waiting(self, epoch: int):
-        """While the producer makes an epoch's batch lists (minutes, for some datasets): a stop
-        signal ends the run there; nothing of the epoch was trained, so the newest checkpoint is
-        where the same command resumes."""
+        """While the producer starts an epoch (RETURNN's ``init_seq_order``, long for some
+        datasets): a stop signal ends the run there; nothing of the epoch was trained, so the
+        newest checkpoint is where the same command resumes."""
         signum = self.stop_request.signum
         if signum is not None:
-            raise Stopped(f"stopped by signal {signum} while the data producer made {self.epoch_name(epoch)}'s "
-                          "batch lists; nothing of it was trained: run the same command to resume", signum)
+            raise Stopped(f"stopped by signal {signum} while the data producer started {self.epoch_name(epoch)}; "
+                          "nothing of it was trained: run the same command to resume", signum)
 
     def check_nonfinite(self, epoch: int, stats: EpochStats):
         """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN

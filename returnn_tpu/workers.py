@@ -1,5 +1,5 @@
 """The small collectives between workers that the training loop needs: every worker's value of a
-number (start epochs, step counts), and element-wise sums (epoch scores).
+number (start epochs, where an epoch ends), and element-wise sums (epoch scores).
 
 Each is one all-gather over the strategy's replicas (no separate channel); with one worker they
 are free and local.
@@ -36,6 +36,10 @@ class WorkerCollectives:
         rows = [tf.constant([list(values) + [0.0]], tf.float64)] * self.local_replicas
         per_replica = distribute_local_values(self.strategy, rows, self.first_replica)
         return self._gather(per_replica).numpy()[:: self.local_replicas, :-1]
+
+    def row_bytes(self, num_values: int) -> int:
+        """What this worker hands to the collective in one :meth:`rows` of ``num_values`` values."""
+        return 0 if self.num_workers == 1 else self.local_replicas * (num_values + 1) * 8
 
     def all_workers(self, value: int) -> List[int]:
         """``value`` of every worker, in worker order; just ``[value]`` alone."""

@@ -60,9 +60,10 @@ def test_shard_uses_every_sequence_once_across_workers(tmp_path):
             data_keys=trainer.data.data_keys, batching=trainer.data.batching, recurrent=trainer.data.recurrent,
             train=True, slots=range(worker, worker + 1), num_slots=2,
         )
-        steps.append(batches.num_steps)
+        steps.append(0)
         for (batch,), _ in batches:
             seen.update(_seqs(batch))
+            steps[-1] += 1
     assert seen == collections.Counter(range(NUM_SEQS)) and steps[0] == steps[1]
 
 
@@ -82,8 +83,6 @@ def test_an_epoch_continued_on_other_replicas_deals_the_rest_of_its_batches(tmp_
     """4 steps of 2 replicas (8 batches) trained, then the epoch continues on 3 replicas: step 3
     starts at the 9th batch (2 steps and 2 batches in), no sequence is trained twice, and only the
     batch left over at the end (3 - 2 of a step) is left out."""
-    from returnn_tpu.data import EpochBatches
-
     two = _trainer(tmp_path / "two", "shard")
     done = collections.Counter()
     for step, (step_batches, _) in enumerate(two.data.train_batches(1)):
@@ -91,15 +90,14 @@ def test_an_epoch_continued_on_other_replicas_deals_the_rest_of_its_batches(tmp_
             done.update(seq for batch in step_batches for seq in _seqs(batch))
     three = make_trainer(tmp_path / "three", NETWORK, num_replicas=3, train=_static_dataset(), batch_size=30,
                          max_seqs=3, distribute_options={"dataset_distribution": "shard"})
+    full_steps = len(list(three.data.train_batches(1)))
     batches = three.data.train_batches(1)
-    full_steps = batches.num_steps
-    assert isinstance(batches, EpochBatches)
     step, note = three.data.continue_epoch(batches, 4, 2)
     assert step == 2 and note == "continues after 8 of its batches (4 steps of 2 replicas) at step 3 of 3 replicas"
-    assert batches.num_steps == full_steps - 1  # the last step would be incomplete
     rest = collections.Counter()
     for step_batches, _ in batches:
         rest.update(seq for batch in step_batches for seq in _seqs(batch))
+    assert batches.steps_done == full_steps - 1  # the last step would be incomplete
     assert max((done + rest).values()) == 1
     missing = set(range(NUM_SEQS)) - set(done) - set(rest)
     assert len(missing) <= 3, missing  # one batch of at most max_seqs sequences

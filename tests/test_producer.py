@@ -68,8 +68,8 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
             expected = _in_process(config, extern_data, distribution, request)
             expected_counters = batching.take_counters()
             produced_epoch = producer.epoch(**request, templates=_templates(extern_data))
-            assert produced_epoch.num_steps == len(expected) > 3
-            produced = list(produced_epoch)
+            produced = list(produced_epoch.steps())
+            assert len(expected) > 3
             assert len(produced) == len(expected)
             for (ours, our_weights), (theirs, their_weights) in zip(produced, expected):
                 assert our_weights == their_weights and len(ours) == len(theirs) == 2
@@ -100,7 +100,7 @@ def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path)
                             prefetch=2)
     epoch = producer.epoch(epoch=1, batching=BatchingOptions(config), data_keys=["classes", "data"], recurrent=True,
                            templates=_templates(extern_data), train=True, slots=range(2), num_slots=2, pad_last=False)
-    steps = iter(epoch)
+    steps = epoch.steps()
     next(steps)
     time.sleep(1)  # the producer fills the queue
     os.kill(producer.pid, signal.SIGKILL)
@@ -133,10 +133,10 @@ def test_a_failing_producer_stops_training_with_its_error(tmp_path):
 
 
 def test_a_dataset_slower_than_training_is_named_in_the_log(tmp_path):
-    """A ``PostprocessingDataset`` that takes 30 ms per sequence (1.1 s per epoch, more than the
-    epoch's steps): ``metrics.jsonl`` has the producer's time making each epoch, which it does
-    while the epoch before trains, and where the epoch waited for it, the log says after the
-    computing-time line that the dataset is the limit."""
+    """A ``PostprocessingDataset`` that takes 30 ms per sequence (1.2 s per epoch, more than the
+    epoch's steps): ``metrics.jsonl`` has each epoch's wait for data and the producer's start of
+    the epoch, and where an epoch waited, the log says after the computing-time line that the
+    dataset is the limit."""
     config = producer_config(map_seq=(
         'import time\n'
         'def _map_seq(data, **_):\n'
@@ -148,12 +148,11 @@ def test_a_dataset_slower_than_training_is_named_in_the_log(tmp_path):
     from test_cli import read_metrics
 
     metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
-    assert len(metrics) == 3 and all(1.1 < m["data_making_seconds"] < 5 for m in metrics), metrics
-    # Epoch 2 was made during epoch 1's first steps (tracing); epoch 3 had only epoch 2's 0.1 s.
-    assert metrics[2]["data_wait_seconds"] > 0.5, metrics
+    assert len(metrics) == 3 and all(0 <= m["data_start_seconds"] < 1 for m in metrics), metrics
+    assert all(m["data_wait_seconds"] > 0.5 for m in metrics[1:]), metrics  # 40 sequences of 30 ms each
     log = (tmp_path / "out" / "train.log").read_text()
-    assert re.search(r"train epoch 3: \d+\.\d s waiting for data; making its batch lists took 1\.\d s, "
-                     r"its steps 0\.\d s: the dataset is slower than the training", log), log[-3000:]
+    assert re.search(r"train epoch 3: \d+\.\d s waiting for data, 0\.\d s in its steps: the dataset is slower "
+                     r"than the training", log), log[-3000:]
     assert "train epoch 1: " not in log  # waiting for the producer to start, not for the dataset
 
 
@@ -191,13 +190,13 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
 
         def worker_1():
             received["epoch"] = epoch = remote.epoch(**dict(request, batching=BatchingOptions(config)))
-            received["steps"] = list(epoch)
+            received["steps"] = list(epoch.steps())
 
         thread = threading.Thread(target=worker_1)
         thread.start()
-        own = list(producer.epoch(**request, templates=_templates(extern_data)))
+        own = list(producer.epoch(**request, templates=_templates(extern_data)).steps())
         thread.join(timeout=60)
-        assert received["epoch"].num_steps == len(own) == len(received["steps"]) == len(expected) > 3
+        assert len(own) == len(received["steps"]) == len(expected) > 3
         for (chief, chief_weights), (other, other_weights), (both, weights) in zip(own, received["steps"], expected):
             assert chief_weights + other_weights == weights
             _assert_same_batches(chief[0], both[0])
@@ -213,9 +212,11 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
         producer.close()
 
 
-def test_sigterm_while_the_producer_makes_the_first_batch_lists_stops_the_run(tmp_path):
-    """A dataset whose batch lists take long (here 100 ms per sequence): SIGTERM while the trainer
-    waits for them ends the run within seconds, status 143, saying that nothing was trained."""
+def test_a_slow_dataset_streams_its_first_step_and_sigterm_saves_it(tmp_path):
+    """A dataset of 1,000 sequences that takes 100 ms per sequence (100 s per epoch) through the
+    default producer process: the first step comes after its batches (5 sequences per replica),
+    not after the epoch; SIGTERM then ends the run within seconds, status 143, with the
+    interrupted epoch saved."""
     import subprocess
     import sys
 
@@ -228,16 +229,20 @@ def test_sigterm_while_the_producer_makes_the_first_batch_lists_stops_the_run(tm
         '    return data\n'))
     (tmp_path / "train.config").write_text(config)
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config", "++log_verbosity", "5"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = None
     for line in proc.stdout:
         if "start training at epoch 1" in line:
+            started = time.time()
+        if line.startswith("train epoch 1, step 1,"):
             break
-    time.sleep(1)
+    assert started and time.time() - started < 50, "the first steps waited for the epoch"
     proc.send_signal(signal.SIGTERM)
     start = time.time()
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert time.time() - start < 10
-    assert "while the data producer made epoch 1's batch lists; nothing of it was trained" in stderr, stderr[-3000:]
-    assert not os.path.exists(tmp_path / "out" / "model.001.index")
+    assert "the combined model is in" in stderr and "run the same command to continue epoch 1" in stderr, \
+        stderr[-3000:]
+    assert os.path.exists(tmp_path / "out" / "model.001.interrupted.index")
