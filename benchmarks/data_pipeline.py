@@ -5,8 +5,8 @@ The benchmark writes an HDF file (RETURNN's ``SimpleHDFWriter``) of raw "signal"
 trains a feed-forward network (two hidden layers of ``--units``) through a ``PostprocessingDataset`` whose ``map_seq`` (a
 function in the config) computes log band energies from the signal, as a feature pipeline
 would, so that producing the data costs about as much as training on it. Such a dataset
-(``CachedDataset2``) knows a sequence's length only once it is processed: making an epoch's
-batch lists processes the whole epoch, before its first step. A dev set (a part of the same
+(``CachedDataset2``) knows a sequence's length only once it is processed: batches are made as
+they are taken, and a producer process makes them beside training. A dev set (a part of the same
 file) is evaluated after each epoch.
 
 Each run trains the same config for ``--epochs`` epochs with ``single`` (one device); the
@@ -111,9 +111,9 @@ def write_hdf(path: str, num_seqs: int, dim: int):
 
 def run_config(work: str, name: str, producer: str, command, units: int, args) -> dict:
     """Trains the benchmark's config with ``data_producer = producer`` by ``command`` in a folder of
-    its own; returnn-tpu's runs add the later epochs' mean seconds making the batch lists, in
-    steps, and between two epochs' training (the evaluation and checkpoint of the epoch before),
-    from ``metrics.jsonl``."""
+    its own; returnn-tpu's runs add the later epochs' mean seconds waiting for data, in steps, and
+    between two epochs' training (the evaluation and checkpoint of the epoch before), from
+    ``metrics.jsonl``."""
     folder = tempfile.mkdtemp(dir=work)
     os.makedirs(os.path.join(folder, "out"))
     with open(os.path.join(folder, "train.config"), "w") as f:
@@ -121,12 +121,12 @@ def run_config(work: str, name: str, producer: str, command, units: int, args) -
                               epochs=args.epochs, producer=producer, units=units, precomputed=args.precomputed,
                               strategy="local_sgd" if args.workers > 1 else "single"))
     row = timed_run(command + ["train.config"], folder, os.path.join(folder, "out", "train.log"), args.epochs)
-    row.update(name=name, making="", steps="", between="")
+    row.update(name=name, waiting="", steps="", between="")
     metrics_path = os.path.join(folder, "out", "metrics.jsonl")
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
             later = [json.loads(line) for line in f][1:]
-        row["making"] = f"{sum(m['data_making_seconds'] for m in later) / len(later):.2f}"
+        row["waiting"] = f"{sum(m['data_wait_seconds'] for m in later) / len(later):.2f}"
         row["steps"] = f"{sum(m['seconds'] * m['computing_time_share'] for m in later) / len(later):.2f}"
         row["between"] = f"{row['epoch_seconds'] - sum(m['seconds'] for m in later) / len(later):.2f}"
     return row
@@ -162,13 +162,13 @@ def main():
             rows = [run_config(work, name, producer, command, units, args) for name, producer, command in runs]
             base = rows[0]
             print(f"{units} units, epochs 2-{args.epochs} of {args.seqs} sequences, {made} "
-                  "(mean over those epochs; steps/s of worker 0; making: the epoch's batch lists, s; between: "
+                  "(mean over those epochs; steps/s of worker 0; waiting: for data, s; between: "
                   "from one epoch's training to the next, s):")
-            print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'making s':>9s} "
+            print(f"{'run':38s} {'computing time':>15s} {'steps/s':>8s} {'vs first':>9s} {'waiting s':>9s} "
                   f"{'steps s':>8s} {'between s':>10s} {'whole run':>10s}")
             for row in rows:
                 print(f"{row['name']:38s} {row['share']:14.1f}% {row['steps_per_second']:8.2f} "
-                      f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['making']:>9s} "
+                      f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['waiting']:>9s} "
                       f"{row['steps']:>8s} {row['between']:>10s} {row['wall']:9.1f}s", flush=True)
     finally:
         shutil.rmtree(work)  # the HDF file is large

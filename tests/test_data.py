@@ -101,3 +101,93 @@ def test_an_epoch_continued_on_other_replicas_deals_the_rest_of_its_batches(tmp_
     assert max((done + rest).values()) == 1
     missing = set(range(NUM_SEQS)) - set(done) - set(rest)
     assert len(missing) <= 3, missing  # one batch of at most max_seqs sequences
+
+
+def test_streamed_dealing_re_cuts_the_tail_as_dealing_the_whole_list_does():
+    """:func:`dealt_stream` holds back at most ``2 * n - 1`` batches and gives the batches that
+    :func:`deal_evenly` gives for the whole epoch's list, for every length and replica count."""
+    from returnn.engine.batch import Batch
+
+    from returnn_tpu.data import deal_evenly, dealt_stream
+
+    def seqs(batches):
+        return [[part.seq_idx for part in batch.seqs] for batch in batches]
+
+    for num_slots in range(1, 6):
+        for total in range(30):
+            batches = []
+            for seq in range(total):
+                batch = Batch()
+                batch.add_sequence_as_slice(seq_idx=seq, seq_start_frame=0, length=2)
+                batches.append(batch)
+            whole = seqs(deal_evenly(batches, num_slots, recurrent=True))
+            assert seqs(dealt_stream(iter(batches), num_slots, recurrent=True)) == whole, (num_slots, total)
+            assert len(whole) % num_slots == 0
+
+
+def _streaming_setup(train, batch_size=200, max_seqs=4):
+    from returnn.config import Config
+    from returnn.datasets import init_dataset
+
+    from returnn_tpu.data import BatchingOptions, templates_from_shapes
+
+    config = Config({"batch_size": batch_size, "max_seqs": max_seqs})
+    extern_data = templates_from_shapes({"data": {"shape": (None, 9), "dtype": "float32", "batch_dim_axis": 0},
+                                         "classes": {"shape": (None,), "dtype": "int32", "batch_dim_axis": 0}})
+    datasets = [init_dataset(dict(train, random_seed_offset=16127 * i)) for i in range(2)]
+    return datasets, extern_data, BatchingOptions(config)
+
+
+@pytest.mark.parametrize("kind", ["DummyDataset", "PostprocessingDataset"])
+@pytest.mark.parametrize("distribution", ["random_seed_offset", "shard"])
+def test_a_million_sequences_stream_without_a_pass_over_the_epoch(kind, distribution):
+    """10^6 generated sequences (``DummyDataset``, and a ``CachedDataset2`` over it): the first
+    steps, and a continuation at step 5,000, make only the sequences of the batches near them and
+    hold a few; the old batch lists made (and held) the whole epoch first."""
+    from returnn_tpu.data import EpochBatches
+
+    train = {"class": "DummyDataset", "input_dim": 9, "output_dim": 2, "num_seqs": 10**6, "seq_len": 5}
+    if kind == "PostprocessingDataset":
+        train = {"class": "PostprocessingDataset", "dataset": train, "map_seq": lambda data, **_: data}
+    datasets, extern_data, batching = _streaming_setup(train)
+    if distribution == "shard":
+        datasets = datasets[:1]
+    for first_step in (0, 5000):
+        batches = EpochBatches(datasets, epoch=1, extern_data=extern_data, data_keys=["data", "classes"],
+                               batching=batching, recurrent=True, train=True, prefetch=2,
+                               slots=range(2) if distribution == "shard" else None,
+                               num_slots=2 if distribution == "shard" else None)
+        batches.start_at(first_step)
+        steps = batches.steps()
+        for _ in range(3):
+            step_batches, weights = next(steps)
+            assert len(step_batches) == 2 and weights == [1.0, 1.0]
+        for dataset in datasets:
+            inner = getattr(dataset, "dataset", dataset)  # PostprocessingDataset's wrapped DummyDataset
+            made = max(part.seq_idx for part in inner.added_data)
+            assert made < (first_step + 10) * 2 * 4 + 50, made  # 4 sequences per batch
+            assert len(inner.added_data) < 50 and len(getattr(dataset, "added_data", [])) < 50
+        steps.close()
+
+
+def test_buckets_stream_in_order_and_hold_a_bounded_window(monkeypatch):
+    """Bucketed batches (XLA) come in the order of their first sequence, each sequence once
+    (unless longer than the largest bucket), and a bucket that began more than the window back is
+    handed out unfilled, so the sequences held stay bounded."""
+    import returnn_tpu.data
+    from returnn.config import Config
+    from returnn.datasets import init_dataset
+
+    from returnn_tpu.data import BucketBatching
+
+    monkeypatch.setattr(returnn_tpu.data, "BUCKET_WINDOW_SEQS", 6)
+    dataset = init_dataset(_static_dataset())
+    dataset.init_seq_order(1)
+    batching = BucketBatching(Config({"batch_size": 64, "max_seqs": 8}), [4, 8], "data")
+    starts, seen = [], []
+    for batch in batching.stream(dataset, recurrent=True, used_data_keys={"data", "classes"}, train=True):
+        starts.append(batch.start_seq)
+        seqs = [part.seq_idx for part in batch.seqs]
+        assert max(seqs) - min(seqs) < 6, seqs
+        seen += seqs
+    assert starts == sorted(starts) and sorted(seen) == list(range(NUM_SEQS))
