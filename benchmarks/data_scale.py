@@ -123,7 +123,7 @@ def write_lm(folder: str, num_seqs: int):
 
 def dataset_options(kind: str, files: dict, partition: int) -> str:
     """The config's ``train`` for corpus ``kind``."""
-    hdf = {"class": "HDFDataset", "files": [files.get("hdf")], "partition_epoch": partition}
+    hdf = {"class": "HDFDataset", "files": [files.get("hdf")], "partition_epoch": partition, "cache_byte_size": 0}
     if kind == "hdf":
         return repr(hdf)
     if kind == "meta":
@@ -141,7 +141,7 @@ def config_text(kind: str, files: dict, partition: int, dim: int, strategy: str,
         extern = ('extern_data = {"data": {"dim": %d, "sparse": True}, "delayed": {"dim": %d, "sparse": True}}'
                   % (VOCAB + 3, VOCAB + 3))
         return CONFIG.format(train=dataset_options(kind, files, partition), num_inputs=VOCAB + 3,
-                             num_outputs=VOCAB + 3, input="delayed", target="data", extern_data=extern,
+                             num_outputs=VOCAB + 3, input="data:delayed", target="data", extern_data=extern,
                              strategy=strategy, options=options)
     return CONFIG.format(train=dataset_options(kind, files, partition), num_inputs=dim, num_outputs=CLASSES,
                          input="data", target="classes", extern_data="", strategy=strategy, options=options)
@@ -188,9 +188,10 @@ def timed_run(command, folder: str) -> dict:
     stderr_lines: list = []
     threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
     first = last = finished = None
-    steps = 0
+    steps, stdout_tail = 0, []
     for line in process.stdout:
         now = time.perf_counter() - start
+        stdout_tail = (stdout_tail + [line])[-40:]
         if STEP_LINE.match(line):
             first = first if first is not None else now
             last, steps = now, steps + 1
@@ -201,7 +202,7 @@ def timed_run(command, folder: str) -> dict:
     watcher.join()
     if process.returncode != 0 or finished is None or steps < 2:
         sys.exit(f"{' '.join(command)} in {folder} failed (status {process.returncode}):\n"
-                 f"{''.join(stderr_lines)[-3000:]}")
+                 f"{''.join(stderr_lines)[-3000:]}\n{''.join(stdout_tail)[-3000:]}")
     return {"first_step": first, "epoch": finished, "steps": steps,
             "steps_per_second": (steps - 1) / (last - first) if last > first else float("nan"), "peak_mb": peak[0]}
 
@@ -218,7 +219,7 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:
-        args.sizes, args.epoch_seqs, args.dim, args.runs = [400], 200, 8, ["plain", "single"]
+        args.sizes, args.epoch_seqs, args.dim, args.runs, args.kinds = [400], 200, 8, ["plain", "single"], ["meta", "lm"]
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_scale_")
     results = []
     started = time.perf_counter()

@@ -234,12 +234,13 @@ def _batch_size_rule(count: int, *, up: bool) -> int:
 
 
 def init_seq_order(dataset, epoch: int):
-    """RETURNN's ``init_seq_order``; an assertion RETURNN's dataset code makes there (its check of
-    the dataset's options, e.g. ``num_seqs > 0``) is bad input: one line naming the dataset and
-    the failed check."""
+    """RETURNN's ``init_seq_order``; an assertion or ``ValueError`` RETURNN's dataset code raises
+    there (its check of the dataset's options, e.g. ``num_seqs > 0``, or a ``DistributeFilesDataset``
+    sub-dataset without ``seq_ordering``) is bad input: one line naming the dataset and the failed
+    check."""
     try:
         dataset.init_seq_order(epoch=epoch)
-    except AssertionError as exc:
+    except (AssertionError, ValueError) as exc:
         import traceback
 
         where = traceback.extract_tb(exc.__traceback__)[-1]
@@ -264,13 +265,25 @@ def default_bucket_boundaries(dataset, key: str, num_buckets: int = 4, max_seqs:
     return sorted({max(8, 1 << (int(numpy.ceil(q)) - 1).bit_length()) for q in quantiles})
 
 
-def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 0, distribution: str = "shard") -> list:
+def shards_files(config, key: str = "train") -> bool:
+    """Whether ``key``'s dataset deals its files to the replicas: RETURNN's
+    ``DistributeFilesDataset`` with ``distrib_shard_files`` (its shard of the files for each
+    distributed rank; here, for each replica)."""
+    opts = config.typed_value(key, None)
+    return isinstance(opts, dict) and bool(opts.get("distrib_shard_files"))
+
+
+def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 0, distribution: str = "shard",
+                  all_replicas: Optional[int] = None) -> list:
     """The RETURNN dataset(s) that config key ``key`` (``"train"``, ``"dev"``) describes.
 
     Options are completed as RETURNN's ``rnn.py`` does (``chunking``, ``batching``, ``window``
     from the config; no chunking and sorted order for ``dev``). For ``random_seed_offset`` on
     ``train`` there is one instance per local replica, each with its own offset; otherwise one.
-    Returns [] if the config has no such key.
+    A ``train`` that shards its files (:func:`shards_files`) has one instance per local replica,
+    each with its shard of ``all_replicas`` (as RETURNN's PyTorch engine gives each rank its
+    shard: ``_num_shards``, ``_shard_index``); without ``all_replicas`` one instance of all files
+    (for checks). Returns [] if the config has no such key.
     """
     from returnn.datasets import Dataset
 
@@ -281,8 +294,11 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     if key != "train":
         defaults.update(Dataset.get_default_kwargs_eval(config=config))
     base_offset = config.int("dataset_random_seed_offset", 0)
-    if distribution == "random_seed_offset" and key == "train":
-        offsets = [(first_replica + i) * SEED_OFFSET_PER_REPLICA + base_offset for i in range(num_replicas)]
+    replicas = range(first_replica, first_replica + num_replicas)
+    if shards_files(config, key):  # one file order for all shards (else they would overlap)
+        offsets = [base_offset] * (num_replicas if all_replicas else 1)
+    elif distribution == "random_seed_offset" and key == "train":
+        offsets = [replica * SEED_OFFSET_PER_REPLICA + base_offset for replica in replicas]
     else:
         offsets = [base_offset]
     if not isinstance(opts, dict):
@@ -290,8 +306,11 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
             raise ConfigError(f"{key} must be a dict for dataset_distribution 'random_seed_offset', got {opts!r}")
         return [_init_dataset(key, opts, defaults)]
     datasets = []
-    for offset in offsets:
+    for replica, offset in zip(replicas, offsets):
         kwargs = {**defaults, "random_seed_offset": offset, **opts}
+        if shards_files(config, key):  # as RETURNN's "shard" over torch ranks, with a replica as the rank
+            kwargs.update(distrib_shard_files=False, _num_shards=all_replicas or 1,
+                          _shard_index=replica if all_replicas else 0)
         Dataset.kwargs_update_from_config(config, kwargs)
         datasets.append(_init_dataset(key, kwargs))
     return datasets

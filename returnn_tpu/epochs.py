@@ -17,7 +17,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import numpy
 
 from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import ReadAhead, init_eval_datasets, init_seq_order, size_key, template_shapes
+from returnn_tpu.data import ReadAhead, init_eval_datasets, init_seq_order, shards_files, size_key, template_shapes
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
 
@@ -123,10 +123,13 @@ class EpochData:
         # One producer serves all workers: it makes the batches of all replicas.
         self.shared_producer = options.data_producer == "chief" and cluster.num_workers > 1
         self.producer = self._start_producer(config_source) if config_source else None  # works while the rest is set up
-        # With a producer, it reads the training data; one instance here, for the checks only.
-        self.train_datasets = init_datasets(config, "train") if self.producer else init_datasets(
-            config, "train", local_replicas, first_replica, options.dataset_distribution
-        )
+        # With a producer, it reads the training data; one instance here, for the checks only (the
+        # dataset's own order, the same on every worker; files dealt: the first replica's shard).
+        if self.producer:
+            self.train_datasets = init_datasets(config, "train", 1, first_replica, "shard", all_replicas=num_replicas)
+        else:
+            self.train_datasets = init_datasets(config, "train", local_replicas, first_replica,
+                                                options.dataset_distribution, all_replicas=num_replicas)
         self.dev_datasets = init_eval_datasets(config)
         self.extern_data, self.data_keys, self.recurrent = None, [], False
         self.bucket_boundaries: Optional[List[int]] = None
@@ -140,7 +143,7 @@ class EpochData:
         if self.options.data_producer == "thread":
             return None
         common = dict(dataset_key="train", distribution=self.options.dataset_distribution,
-                      prefetch=self.options.data_prefetch)
+                      prefetch=self.options.data_prefetch, all_replicas=self.num_replicas)
         if not self.shared_producer:
             return DataProducer(*config_source, num_replicas=self.local_replicas,
                                 first_replica=self.first_replica, **common)
@@ -160,6 +163,9 @@ class EpochData:
     def start_notes(self) -> List[str]:
         """What an epoch is with several replicas, for the log before the first step."""
         replicas = self.num_replicas
+        if replicas > 1 and shards_files(self.config):
+            return [f"the training files are dealt to the {replicas} replicas (distrib_shard_files): each walks its own "
+                    "shard; an epoch ends when the first replica's shard ends"]
         if replicas > 1 and self.options.dataset_distribution == "random_seed_offset":
             return [f"an epoch is {replicas} passes over the training data: each of the {replicas} replicas walks "
                     "its own copy in its own order (as RETURNN's Horovod mode does), and epoch-keyed learning-rate "
@@ -187,13 +193,14 @@ class EpochData:
             self.bucket_boundaries = self.options.bucket_boundaries or default_bucket_boundaries(
                 self.train_datasets[0], key)
         self.read_batching_options()
+        # What RETURNN's dataset refuses is found now, not after epoch 1; some datasets (a
+        # DistributeFilesDataset) know their dtypes only in an epoch, as RETURNN checks them.
         for dataset in self.train_datasets[:1] + self.dev_datasets:
+            init_seq_order(dataset, 1)
             self._check_matches(dataset)
+            dataset.finish_epoch()  # a MetaDataset fails a second init of one epoch (FACTS.md, "MetaDataset epochs")
         if self.producer:
             self.train_datasets = None  # the data is held once per worker
-        for dataset in self.dev_datasets:  # what RETURNN's dataset refuses is found now, not after epoch 1
-            init_seq_order(dataset, 1)
-            dataset.finish_epoch()  # a MetaDataset fails a second init of one epoch (FACTS.md, "MetaDataset epochs")
 
     def _check_matches(self, dataset):
         """The dataset's dims, shapes and dtypes are the network's ``extern_data`` (RETURNN's
@@ -241,7 +248,7 @@ class EpochData:
         if not replicas_before or replicas_before == self.num_replicas or steps_done == 0:
             batches.start_at(steps_done)
             return steps_done, ""
-        if self.options.dataset_distribution == "random_seed_offset":
+        if self.options.dataset_distribution == "random_seed_offset" or shards_files(self.config):
             batches.start_at(steps_done)
             return steps_done, (f"continues at step {steps_done + 1} ({replicas_before} replicas trained its first "
                                 f"{steps_done} steps): each of the {replicas} continues its own walk through the data")
@@ -270,7 +277,7 @@ class EpochData:
     def _batches(self, datasets, epoch: int, *, train: bool, while_waiting=None):
         # random_seed_offset: every replica walks its own copy (also with one replica per worker);
         # shard, and always for evaluation: one order, dealt to the replicas of all workers in turn.
-        own_copies = train and self.options.dataset_distribution == "random_seed_offset"
+        own_copies = train and (self.options.dataset_distribution == "random_seed_offset" or shards_files(self.config))
         if self.shared_producer and train:  # it makes all replicas' batches and hands each worker its own
             ours = range(self.num_replicas)
         else:

@@ -100,17 +100,21 @@ class DataProducer:
     ``overrides``); created once per worker, ended by :meth:`close` or with the trainer's process."""
 
     def __init__(self, config_filename: str, overrides: Sequence[str], *, dataset_key: str, num_replicas: int,
-                 first_replica: int, distribution: str, prefetch: int, serve: Optional["ServeOptions"] = None):
+                 first_replica: int, distribution: str, prefetch: int, all_replicas: Optional[int] = None,
+                 serve: Optional["ServeOptions"] = None):
         remove_stale_blocks()
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs TensorFlow
         self._commands, commands_end = context.Pipe()
         self._results = context.Queue(maxsize=prefetch)
         setup = dict(config_filename=config_filename, overrides=list(overrides), dataset_key=dataset_key,
-                     num_replicas=num_replicas, first_replica=first_replica, distribution=distribution, serve=serve)
+                     num_replicas=num_replicas, first_replica=first_replica, distribution=distribution,
+                     all_replicas=all_replicas, serve=serve)
+        # Not daemonic: a dataset may start processes of its own (DistributeFilesDataset's sub-epoch
+        # workers), which a daemonic process may not. close() ends it, also at exit: registered
+        # after multiprocessing's own exit handler, it runs before it (which would join the producer).
         self._process = context.Process(target=_serve, args=(setup, commands_end, self._results),
-                                        name="returnn_tpu data producer", daemon=True)
+                                        name="returnn_tpu data producer", daemon=False)
         self._process.start()
-        # Before multiprocessing's own exit handler, which would wait for a producer that ignores SIGTERM.
         atexit.register(self.close)
 
     @property
@@ -566,7 +570,7 @@ class _EpochMaker:
 
         config = load_config(setup["config_filename"], setup["overrides"])
         self.datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
-                                      setup["distribution"])
+                                      setup["distribution"], all_replicas=setup["all_replicas"])
 
     def start(self, request: dict):
         """The EpochBatches of ``request`` (its epoch started: RETURNN's ``init_seq_order``)."""

@@ -14,6 +14,7 @@ TINY_CONFIG = os.path.join(REPO, "tests", "configs", "old_style_12ax.config")
 RUNS = {
     "chaos.py": ["--smoke"],
     "data_pipeline.py": ["--smoke"],
+    "data_scale.py": ["--smoke"],
     "epoch_time.py": [TINY_CONFIG, "--smoke"],
     "local_sgd_quality.py": ["--smoke"],
     "memory.py": [TINY_CONFIG],

@@ -191,3 +191,50 @@ def test_buckets_stream_in_order_and_hold_a_bounded_window(monkeypatch):
         assert max(seqs) - min(seqs) < 6, seqs
         seen += seqs
     assert starts == sorted(starts) and sorted(seen) == list(range(NUM_SEQS))
+
+
+def write_hdf_parts(folder, num_files: int = 4, seqs_per_file: int = 10) -> list:
+    """``num_files`` HDF files of 12AX's shapes; every frame of sequence s of file f is ``100 f + s``."""
+    from returnn.datasets.hdf import SimpleHDFWriter
+
+    paths = []
+    for part in range(num_files):
+        path = str(folder / f"part{part}.hdf")
+        writer = SimpleHDFWriter(path, dim=9, ndim=2, extra_type={"classes": (2, 1, "int32")},
+                                 extra_labels={"classes": ["0", "1"]})
+        for seq in range(seqs_per_file):
+            length = 3 + seq % 4
+            writer.insert_batch(numpy.full((1, length, 9), 100 * part + seq, "float32"), seq_len=[length],
+                                seq_tag=[f"part{part}-{seq}"], extra={"classes": numpy.zeros((1, length), "int32")})
+        writer.close()
+        paths.append(path)
+    return paths
+
+
+def distributed_files(paths, **options) -> dict:
+    """RETURNN's ``DistributeFilesDataset`` over ``paths`` (an ``HDFDataset`` per sub-epoch), its
+    files dealt to the ranks (here: the replicas)."""
+    return {"class": "DistributeFilesDataset", "files": paths, "partition_epoch": 1, "distrib_shard_files": True,
+            "sharding_fix": True, "get_sub_epoch_dataset": _sub_epoch_dataset, **options}
+
+
+def _sub_epoch_dataset(files):
+    return {"class": "HDFDataset", "files": files, "seq_ordering": "random"}
+
+
+@pytest.mark.parametrize("distribution", ["random_seed_offset", "shard"])
+def test_distribute_files_dataset_deals_its_files_to_the_replicas(tmp_path, distribution):
+    """``DistributeFilesDataset`` with ``distrib_shard_files``: each replica walks its own shard of
+    the files (as each rank does under RETURNN's PyTorch engine), the shards are disjoint and
+    together hold every file, whatever ``dataset_distribution`` says. (Sub-epochs loaded in this
+    process here; in their own processes, as by default, in the multi-worker test.)"""
+    paths = write_hdf_parts(tmp_path)
+    trainer = make_trainer(tmp_path, NETWORK, train=distributed_files(paths, use_worker_proc=False), batch_size=30,
+                           max_seqs=3,
+                           distribute_options={"dataset_distribution": distribution})
+    files = [set(), set()]
+    for step_batches, _ in trainer.data.train_batches(1):
+        for replica, batch in enumerate(step_batches):
+            files[replica].update(seq // 100 for seq in _seqs(batch))
+    assert files[0] and files[1] and not files[0] & files[1], files
+    assert files[0] | files[1] == set(range(len(paths)))

@@ -238,6 +238,35 @@ def test_workers_with_unequal_data_finish_the_epoch(tmp_path):
     steps = re.findall(r"\[worker (\d)\] epoch 1: (\d+) steps", result.stdout)
     assert len(steps) == 2 and steps[0][1] == steps[1][1], steps  # both did the agreed number
     assert_trained_and_in_sync(tmp_path, result.stdout)
+    # Worker 0 has 8 batches of 5 sequences: where its data ends was agreed as they went.
+    metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert all(m["steps"] == 8 and m["agreements"] >= 1 and m["agree_bytes"] > 0 for m in metrics), metrics
+
+
+@pytest.mark.slow
+def test_distribute_files_dataset_deals_its_files_to_the_workers(tmp_path):
+    """RETURNN's ``DistributeFilesDataset`` with ``distrib_shard_files`` on two workers, each with
+    its producer process, which loads the sub-epochs in processes of its own (the default): each
+    worker reads its own files, together all of them, and both train the same steps."""
+    from test_data import write_hdf_parts
+
+    paths = write_hdf_parts(tmp_path)
+    prelude = 'def _sub_epoch(files):\n    return {"class": "HDFDataset", "files": files, "seq_ordering": "random"}\n'
+    train = {"class": "DistributeFilesDataset", "files": paths, "partition_epoch": 1, "distrib_shard_files": True,
+             "sharding_fix": True}
+    (tmp_path / "train.config").write_text(config_12ax(
+        prelude, train=Code(repr(train)[:-1] + ', "get_sub_epoch_dataset": _sub_epoch}'), num_epochs=1,
+        dev=None, distribute_options={"num_replicas": 1, "param_sync_step": 3, "startup_timeout": 120,
+                                      "collective_timeout": 120}))
+    result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    used = {int(worker): set(re.findall(r"part(\d)\.hdf", files)) for worker, files in
+            re.findall(r"\[worker (\d)\] <DistributeFilesDataset 'train' epoch=1>: using files for epoch 1: (.*)",
+                       output)}
+    assert sorted(used) == [0, 1] and not used[0] & used[1] and used[0] | used[1] == set("0123"), output[-3000:]
+    steps = re.findall(r"\[worker (\d)\] epoch 1: (\d+) steps", result.stdout)
+    assert len(steps) == 2 and steps[0][1] == steps[1][1], steps
 
 
 def test_workers_with_different_networks_are_named(tmp_path):
