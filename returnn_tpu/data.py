@@ -16,9 +16,12 @@ which batch, and reads ahead on a background thread.
 * ``"shard"``: one dataset, one order; consecutive batches go to replicas in turn. An epoch is
   one pass over the dataset in total; the last ``< num_replicas`` batches are dropped.
 
-With several workers, all of them do the same number of steps in an epoch: the smallest
-number any of them has (agreed once at the start of the epoch), so none waits in a collective
-for a worker that has run out of data.
+Batches are made as they are taken (RETURNN's lazy batch generator), a bounded number of steps
+ahead: no pass over the epoch before its first step, and what is held does not grow with the
+corpus (docs/data.md, "Streamed epochs"). With several workers, all of them do the same number
+of steps in an epoch, the smallest number any of them has, agreed as they go
+(:class:`returnn_tpu.epochs.TrainEpoch`), so none waits in a collective for a worker that has
+run out of data.
 
 With ``jit_compile``, :class:`BucketBatching` replaces RETURNN's batch generation for training:
 sequences grouped by length into buckets, batches padded to static shapes (one per bucket).

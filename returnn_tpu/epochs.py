@@ -105,7 +105,7 @@ class EpochData:
 
     ``num_replicas`` counts the replicas of all workers, ``local_replicas`` this worker's, whose
     first has the global index ``first_replica``. ``workers`` are the collectives between workers
-    (the agreed step count; the producer's address). ``config_source`` (the config file and its
+    (where an epoch ends; the producer's address). ``config_source`` (the config file and its
     ``++`` overrides) lets a producer process load the same config; without it the data is read on
     a thread of this process. Call :meth:`use_network` before the first epoch, and again when the
     network (its ``extern_data``) or the batching options change.
