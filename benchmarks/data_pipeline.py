@@ -23,7 +23,13 @@ producer per worker.
 ``--precomputed`` writes the features into the file and reads it with ``HDFDataset`` alone, which
 knows the lengths without reading: each worker's own producer then reads only its own part.
 
+``--serve`` measures worker 0's producer (``data_producer = "chief"``) alone, without training:
+it makes the batches of 2 workers (one replica each) from the precomputed features, hands worker
+0 its own through shared memory and worker 1 its own over TCP on 127.0.0.1, each taking them as
+fast as it can: batches per second and MB per second (of arrays) delivered, per worker and in all.
+
     python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256 ...] [--workers N] [--precomputed]
+    python benchmarks/data_pipeline.py --serve [--seqs 1500] [--epochs 4]
 """
 
 from __future__ import annotations
@@ -132,6 +138,57 @@ def run_config(work: str, name: str, producer: str, command, units: int, args) -
     return row
 
 
+def serving_rate(work: str, args):
+    """The chief producer's serving rate to 2 workers (``--serve``): a table row per worker."""
+    import threading
+    import time
+
+    from returnn.config import Config
+
+    from returnn_tpu.data import BatchingOptions
+    from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
+
+    path = os.path.join(work, "train.config")
+    with open(path, "w") as f:
+        f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=os.path.join(work, "signal.hdf"),
+                              epochs=args.epochs, producer="chief", units=16, precomputed=True, strategy="local_sgd"))
+    config = Config()
+    config.load_file(path)
+    templates = {"data": {"shape": (None, 40), "dtype": "float32", "batch_dim_axis": 0},
+                 "classes": {"shape": (None,), "dtype": "int32", "batch_dim_axis": 0}}
+    request = dict(batching=BatchingOptions(config), data_keys=["data", "classes"], recurrent=False, train=True,
+                   slots=range(2), num_slots=2, pad_last=False)
+    key = os.urandom(16)
+    producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
+                            prefetch=4, all_replicas=2, serve=ServeOptions("127.0.0.1", key, 2, 1))
+    taken = {0: [0, 0], 1: [0, 0]}  # worker -> [batches, bytes]
+
+    def take(worker, epoch):
+        for batches, _ in epoch.steps():
+            taken[worker][0] += len(batches)
+            taken[worker][1] += sum(v.nbytes for batch in batches for v in batch.values())
+
+    try:
+        remote = RemoteProducer(("127.0.0.1", producer.port()), key, worker_index=1)
+        start = time.perf_counter()
+        for epoch in range(1, args.epochs + 1):
+            other = threading.Thread(target=lambda: take(1, remote.epoch(epoch=epoch, **request)))
+            other.start()
+            take(0, producer.epoch(epoch=epoch, templates=templates, **request))
+            other.join()
+        seconds = time.perf_counter() - start
+        remote.close()
+    finally:
+        producer.close()
+    print(f"worker 0's producer serving 2 workers, {args.epochs} epochs of {args.seqs} sequences "
+          f"({seconds:.1f} s in all, without training):")
+    print(f"{'worker':30s} {'batches/s':>10s} {'MB/s':>8s}")
+    for worker, how in ((0, "worker 0 (shared memory)"), (1, "worker 1 (TCP, 127.0.0.1)")):
+        print(f"{how:30s} {taken[worker][0] / seconds:10.1f} {taken[worker][1] / seconds / 1e6:8.1f}")
+    total = [sum(t[i] for t in taken.values()) for i in (0, 1)]
+    print(f"{'both':30s} {total[0] / seconds:10.1f} {total[1] / seconds / 1e6:8.1f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, default=1500)
@@ -141,12 +198,23 @@ def main():
     parser.add_argument("--workers", type=int, default=1, help="> 1: producer per worker against one on worker 0")
     parser.add_argument("--precomputed", action="store_true",
                         help="the HDF file holds the features (read directly, no PostprocessingDataset)")
+    parser.add_argument("--serve", action="store_true", help="the chief producer's serving rate to 2 workers alone")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:
         args.seqs, args.epochs, args.units = 40, 2, [16]
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_pipeline_")
-    write_hdf(os.path.join(work, "signal.hdf"), args.seqs, dim=40 if args.precomputed else SAMPLES_PER_FRAME)
+    write_hdf(os.path.join(work, "signal.hdf"), args.seqs,
+              dim=40 if args.precomputed or args.serve or args.smoke else SAMPLES_PER_FRAME)
+    if args.serve or args.smoke:  # the smoke run: both parts of the script
+        try:
+            serving_rate(work, args)
+        finally:
+            if args.serve:
+                shutil.rmtree(work)
+        if args.serve:
+            return
+        write_hdf(os.path.join(work, "signal.hdf"), args.seqs, dim=40 if args.precomputed else SAMPLES_PER_FRAME)
     ours = [sys.executable, "-m", "returnn_tpu.cli"]
     if args.workers > 1:
         ours += ["--local-workers", str(args.workers)]

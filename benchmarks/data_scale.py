@@ -8,9 +8,11 @@ The benchmark writes its corpora into a work folder (removed at the end):
   length from the file's index, without reading the features;
 - ``meta``: the same file through a ``MetaDataset`` (a ``CachedDataset2``: it knows a sequence's
   length only once it has made it);
-- ``lm``: ``--lm-seqs`` generated sentences (5-30 words of a 1,000-word vocabulary) in a text
-  file, read by ``LmDataset`` (also a ``CachedDataset2``; it reads the whole text at its start,
-  under plain RETURNN as here).
+- ``lm``: generated sentences (5-30 words of a 1,000-word vocabulary) in a text file, read by
+  ``LmDataset`` (also a ``CachedDataset2``; it reads the whole text at its start, under plain
+  RETURNN as here);
+- ``dummy``: RETURNN's ``DummyDataset`` (sequences of 20 frames of ``--dim`` features, made when
+  asked for; nothing on disk), the generated dataset of the issue that found the quadratic start.
 
 Every run trains one epoch of ``partition_epoch = size / --epoch-seqs`` (RETURNN's way to cut a
 large corpus into sub-epochs), so that every size trains the same number of sequences and the
@@ -28,7 +30,9 @@ runs' own per-step log lines (``log_verbosity`` 5, RETURNN's format, timed as th
 - epoch: seconds from the start to the epoch's end line (RETURNN's ``finished after``);
 - steps/s: between the first and the last step's line (with several workers, worker 0's);
 - peak MB: the largest sum of resident memory (VmRSS) over the run's process tree, read every
-  0.1 s (shared pages, e.g. TensorFlow's library, count once per process).
+  0.1 s (shared pages, e.g. TensorFlow's library, count once per process);
+- waiting s (returnn-tpu): the epoch's seconds waiting for data, from ``metrics.jsonl``
+  (``data_wait_seconds``; the first step's wait included): what the data path cost the loop.
 
     python benchmarks/data_scale.py [--sizes 10000 100000 1000000] [--kinds hdf meta lm]
         [--runs plain single local_sgd workers chief] [--epoch-seqs 2000] [--dim 80] [--smoke]
@@ -49,8 +53,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES, VOCAB = 10, 1000
-STEP_LINE = re.compile(r"^train epoch 1, step (\d+),")
-FINISHED_LINE = re.compile(r"^train epoch 1, finished after (\d+) steps")
+STEP_LINE = re.compile(r"^(?:\[worker 0\] )?train epoch 1, step (\d+),")  # several workers: worker 0's
+FINISHED_LINE = re.compile(r"^(?:\[worker 0\] )?train epoch 1, finished after (\d+) steps")
 
 CONFIG = """#!rnn.py
 train = {train}
@@ -126,6 +130,9 @@ def dataset_options(kind: str, files: dict, partition: int) -> str:
     hdf = {"class": "HDFDataset", "files": [files.get("hdf")], "partition_epoch": partition, "cache_byte_size": 0}
     if kind == "hdf":
         return repr(hdf)
+    if kind == "dummy":
+        return repr({"class": "DummyDataset", "input_dim": files["dim"], "output_dim": CLASSES, "num_seqs": files["size"],
+                     "seq_len": 20, "partition_epoch": partition})
     if kind == "meta":
         return repr({"class": "MetaDataset", "datasets": {"features": hdf},
                      "data_map": {"data": ("features", "data"), "classes": ("features", "classes")},
@@ -210,7 +217,8 @@ def timed_run(command, folder: str) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--kinds", nargs="+", default=["hdf", "meta", "lm"], choices=["hdf", "meta", "lm"])
+    parser.add_argument("--kinds", nargs="+", default=["hdf", "meta", "lm", "dummy"],
+                        choices=["hdf", "meta", "lm", "dummy"])
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--epoch-seqs", type=int, default=2000, help="sequences per (sub-)epoch trained")
     parser.add_argument("--dim", type=int, default=80, help="feature dimension of the HDF corpus")
@@ -225,7 +233,7 @@ def main():
     started = time.perf_counter()
     try:
         for size in args.sizes:
-            files = {}
+            files = {"size": size, "dim": args.dim}
             if {"hdf", "meta"} & set(args.kinds):
                 gb = size * 275 * (args.dim + 1) * 4 / 1e9
                 if gb <= args.max_hdf_gb:
@@ -236,9 +244,10 @@ def main():
                           "hdf and meta left out", flush=True)
             if "lm" in args.kinds:
                 files["lm"] = write_lm(work, size)
-            disk = sum(os.path.getsize(os.path.join(work, f)) for f in os.listdir(work)) / 1e9
+            disk = sum(os.path.getsize(os.path.join(work, f)) for f in os.listdir(work)
+                       if os.path.isfile(os.path.join(work, f))) / 1e9
             for kind in args.kinds:
-                if kind != "lm" and "hdf" not in files:
+                if kind in ("hdf", "meta") and "hdf" not in files:
                     continue
                 rows = []
                 for name in args.runs:
@@ -248,19 +257,24 @@ def main():
                     with open(os.path.join(folder, "train.config"), "w") as f:
                         f.write(config_text(kind, files, max(1, size // args.epoch_seqs), args.dim, strategy, options))
                     row = dict(timed_run([sys.executable, *command, "train.config"], folder), run=name, kind=kind,
-                               size=size, corpus_gb=round(disk, 2))
+                               size=size, corpus_gb=round(disk, 2), waiting=None)
+                    metrics = os.path.join(folder, "out", "metrics.jsonl")
+                    if os.path.exists(metrics):
+                        with open(metrics) as f:
+                            row["waiting"] = json.loads(f.readline())["data_wait_seconds"]
                     shutil.rmtree(folder)
                     rows.append(row)
                     results.append(row)
                 base = rows[0]
                 print(f"\n{kind}, {size} sequences ({args.epoch_seqs} per epoch; corpus files {disk:.2f} GB):")
                 print(f"{'run':10s} {'first step s':>12s} {'vs ' + base['run']:>9s} {'epoch s':>8s} {'steps/s':>8s} "
-                      f"{'vs ' + base['run']:>9s} {'peak MB':>8s} {'vs ' + base['run']:>9s}")
+                      f"{'vs ' + base['run']:>9s} {'peak MB':>8s} {'vs ' + base['run']:>9s} {'waiting s':>9s}")
                 for row in rows:
                     print(f"{row['run']:10s} {row['first_step']:12.1f} {row['first_step'] / base['first_step']:8.2f}x "
                           f"{row['epoch']:8.1f} {row['steps_per_second']:8.2f} "
                           f"{row['steps_per_second'] / base['steps_per_second']:8.2f}x {row['peak_mb']:8.0f} "
-                          f"{row['peak_mb'] / base['peak_mb']:8.2f}x", flush=True)
+                          f"{row['peak_mb'] / base['peak_mb']:8.2f}x "
+                          f"{'' if row['waiting'] is None else format(row['waiting'], '.2f'):>9s}", flush=True)
             for name in os.listdir(work):
                 if os.path.isfile(os.path.join(work, name)):
                     os.remove(os.path.join(work, name))

@@ -409,7 +409,7 @@ class EpochBatches:
     batch generator, a bounded number ahead of the step being read (:func:`dealt_stream`,
     :data:`BUCKET_WINDOW_SEQS`), so the first step does not wait for a pass over the epoch and
     memory does not grow with it; the number of steps is known only at the end (workers agree
-    where an epoch ends as they go: :class:`returnn_tpu.epochs.AgreedEnd`). A dealt dataset uses
+    where an epoch ends as they go: :class:`returnn_tpu.epochs.TrainEpoch`). A dealt dataset uses
     every sequence once (:func:`deal_evenly` at the end); batches of other slots, and of steps
     passed over (:meth:`start_at`), are never read.
 
@@ -539,7 +539,7 @@ class ReadAhead:
 
     Another thread may ask how far it has got (:meth:`wait_made`): the items made so far (taken
     or waiting) and whether ``items`` has ended; that is how workers agree where an epoch ends
-    (:class:`returnn_tpu.epochs.AgreedEnd`). Iterate once.
+    (:class:`returnn_tpu.epochs.TrainEpoch`). Iterate once.
     """
 
     def __init__(self, items: Iterable, depth: int, *, name: str, transform: Optional[Callable] = None):
