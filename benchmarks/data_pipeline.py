@@ -214,6 +214,7 @@ def main():
                 shutil.rmtree(work)
         if args.serve:
             return
+        os.remove(os.path.join(work, "signal.hdf"))  # the smoke run trains on the signal
         write_hdf(os.path.join(work, "signal.hdf"), args.seqs, dim=40 if args.precomputed else SAMPLES_PER_FRAME)
     ours = [sys.executable, "-m", "returnn_tpu.cli"]
     if args.workers > 1:

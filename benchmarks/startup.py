@@ -7,8 +7,9 @@ wall time; the seconds from the command to the end of the first train step (when
 printed); for each network change (``pretrain``, ``get_network``), the seconds from the line
 ``reinit because network description differs`` (which both print) to the end of the new network's
 first step; and from returnn-tpu's ``metrics.jsonl`` the seconds building the network and tracing
-the train step at the start (``trace_seconds`` of epoch 1). Ratios are against plain RETURNN and
-against one replica.
+the train step at the start (``trace_seconds`` of epoch 1); and the steps per second from the first
+step's line to the last (all the run's steps; with several replicas a step trains a batch on each).
+Ratios are against plain RETURNN and against one replica.
 
     python benchmarks/startup.py CONFIG [--replicas 1 2 4 8] [--epochs 2] [--set KEY VALUE ...]
 
@@ -34,21 +35,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A train step's line at log_verbosity 5 (an eval's says "eval, step 0").
 FIRST_STEP = re.compile(r"epoch \d+, step 0,")
+ANY_STEP = re.compile(r"train epoch \d+, step \d+,")
 NETWORK_CHANGE = "reinit because network description differs"
 
 
-def run(command, folder: str) -> Tuple[float, float, List[float]]:
-    """Runs ``command`` in ``folder``: its wall time, the seconds to its first train step's line, and
-    per network change the seconds from its announcement to the new network's first step; or an
-    exit naming the command if it fails."""
+def run(command, folder: str) -> Tuple[float, float, List[float], float]:
+    """Runs ``command`` in ``folder``: its wall time, the seconds to its first train step's line,
+    per network change the seconds from its announcement to the new network's first step, and the
+    steps per second from the first step's line to the last; or an exit naming the command if it
+    fails."""
     os.makedirs(os.path.join(folder, "out"))
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", DISABLE_CUDA="1"))  # plain RETURNN: FACTS.md, "Native ops"
     first_step, changes, change_start, tail = None, [], None, []
+    steps, last_step = 0, None
     for line in process.stdout:
         now = time.perf_counter() - start
         tail = (tail + [line])[-40:]
+        if ANY_STEP.search(line):
+            steps, last_step = steps + 1, now
         if NETWORK_CHANGE in line:
             change_start = now
         elif FIRST_STEP.search(line):
@@ -59,7 +65,8 @@ def run(command, folder: str) -> Tuple[float, float, List[float]]:
             change_start = None
     if process.wait() != 0 or first_step is None:
         sys.exit(f"{' '.join(command)} failed (status {process.returncode}):\n{''.join(tail)}")
-    return time.perf_counter() - start, first_step, changes
+    rate = (steps - 1) / (last_step - first_step) if steps > 1 and last_step > first_step else float("nan")
+    return time.perf_counter() - start, first_step, changes, rate
 
 
 def main():
@@ -94,15 +101,18 @@ def main():
         rows[replicas] = (*measured, trace)
     epochs = "one epoch" if args.epochs == 1 else f"{args.epochs} epochs"
     print(f"{os.path.basename(config)}: {epochs}; plain RETURNN (python -m returnn): {plain[0]:.1f} s wall, "
-          f"first step after {plain[1]:.1f} s, network changes {' '.join(f'{s:.1f}' for s in plain[2])} s")
+          f"first step after {plain[1]:.1f} s, {plain[3]:.2f} steps/s, network changes "
+          f"{' '.join(f'{s:.1f}' for s in plain[2])} s")
     print(f"{'replicas':>8s} {'wall s':>7s} {'vs plain':>9s} {'to 1st step s':>14s} {'vs plain':>9s} "
-          f"{'vs 1 replica':>13s} {'trace s':>8s} {'vs 1 replica':>13s}  network changes s (vs plain, vs 1 replica)")
+          f"{'vs 1 replica':>13s} {'trace s':>8s} {'vs 1 replica':>13s} {'steps/s':>8s} {'vs plain':>9s}  "
+          "network changes s (vs plain, vs 1 replica)")
     one = rows[args.replicas[0]]
-    for replicas, (wall, first_step, changes, trace) in rows.items():
+    for replicas, (wall, first_step, changes, rate, trace) in rows.items():
         change_text = " ".join(f"{seconds:.1f} ({seconds / base:.2f}x, {seconds / single:.2f}x)"
                                for seconds, base, single in zip(changes, plain[2], one[2]))
         print(f"{replicas:8d} {wall:7.1f} {wall / plain[0]:8.2f}x {first_step:14.1f} {first_step / plain[1]:8.2f}x "
-              f"{first_step / one[1]:12.2f}x {trace:8.1f} {trace / one[3]:12.2f}x  {change_text}")
+              f"{first_step / one[1]:12.2f}x {trace:8.1f} {trace / one[4]:12.2f}x {rate:8.2f} {rate / plain[3]:8.2f}x  "
+              f"{change_text}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_demo_trains_and_dev_score_improves(tmp_path):
     assert all(m["sync_bytes"] == m["syncs"] * 4 * 4 * num_params for m in metrics), (num_params, metrics[0])
     assert metrics[0]["distribute_options"]["param_sync_step"] == 10
     assert all(0.5 < m["computing_time_share"] <= 1 and m["data_wait_seconds"] >= 0
-               and m["data_start_seconds"] > 0 and m["agreements"] == m["agree_bytes"] == 0 for m in metrics), metrics
+               and m["data_start_seconds"] >= 0 and m["agreements"] == m["agree_bytes"] == 0 for m in metrics), metrics
     with open(tmp_path / "train.log") as f:
         log = f.read()
     assert "epoch 3 score:" in log and "dev: score" in log
