@@ -141,7 +141,10 @@ class DataProducer:
     # What ProducedEpoch needs of a producer (RemoteProducer has the same).
 
     def send(self, kind: str, payload):
-        self._commands.send((kind, payload))
+        try:
+            self._commands.send((kind, payload))
+        except OSError as exc:  # it exited (after an error it sent, or killed)
+            raise ProducerError(f"data producer (pid {self.pid}) is gone: {exc}") from None
 
     def alive(self) -> bool:
         return self._process.is_alive()
