@@ -148,9 +148,11 @@ def serving_rate(work: str, args):
     from returnn_tpu.data import BatchingOptions
     from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
 
-    path = os.path.join(work, "train.config")
+    features = os.path.join(work, "features.hdf")
+    write_hdf(features, args.seqs, dim=40)
+    path = os.path.join(work, "serve.config")
     with open(path, "w") as f:
-        f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=os.path.join(work, "signal.hdf"),
+        f.write(CONFIG.format(spf=SAMPLES_PER_FRAME, classes=CLASSES, hdf=features,
                               epochs=args.epochs, producer="chief", units=16, precomputed=True, strategy="local_sgd"))
     config = Config()
     config.load_file(path)
@@ -204,8 +206,6 @@ def main():
     if args.smoke:
         args.seqs, args.epochs, args.units = 40, 2, [16]
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_pipeline_")
-    write_hdf(os.path.join(work, "signal.hdf"), args.seqs,
-              dim=40 if args.precomputed or args.serve or args.smoke else SAMPLES_PER_FRAME)
     if args.serve or args.smoke:  # the smoke run: both parts of the script
         try:
             serving_rate(work, args)
@@ -214,8 +214,7 @@ def main():
                 shutil.rmtree(work)
         if args.serve:
             return
-        os.remove(os.path.join(work, "signal.hdf"))  # the smoke run trains on the signal
-        write_hdf(os.path.join(work, "signal.hdf"), args.seqs, dim=40 if args.precomputed else SAMPLES_PER_FRAME)
+    write_hdf(os.path.join(work, "signal.hdf"), args.seqs, dim=40 if args.precomputed else SAMPLES_PER_FRAME)
     ours = [sys.executable, "-m", "returnn_tpu.cli"]
     if args.workers > 1:
         ours += ["--local-workers", str(args.workers)]

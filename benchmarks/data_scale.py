@@ -125,13 +125,13 @@ def write_lm(folder: str, num_seqs: int):
     return corpus, vocab
 
 
-def dataset_options(kind: str, files: dict, partition: int) -> str:
-    """The config's ``train`` for corpus ``kind``."""
+def dataset_options(kind: str, files: dict, size: int, dim: int, partition: int) -> str:
+    """The config's ``train`` for corpus ``kind`` of ``size`` sequences (``files``: those written)."""
     hdf = {"class": "HDFDataset", "files": [files.get("hdf")], "partition_epoch": partition, "cache_byte_size": 0}
     if kind == "hdf":
         return repr(hdf)
     if kind == "dummy":
-        return repr({"class": "DummyDataset", "input_dim": files["dim"], "output_dim": CLASSES, "num_seqs": files["size"],
+        return repr({"class": "DummyDataset", "input_dim": dim, "output_dim": CLASSES, "num_seqs": size,
                      "seq_len": 20, "partition_epoch": partition})
     if kind == "meta":
         return repr({"class": "MetaDataset", "datasets": {"features": hdf},
@@ -143,14 +143,14 @@ def dataset_options(kind: str, files: dict, partition: int) -> str:
                  "delayed_seq_data_start_symbol": "<s>", "partition_epoch": partition})
 
 
-def config_text(kind: str, files: dict, partition: int, dim: int, strategy: str, options: dict) -> str:
+def config_text(kind: str, files: dict, size: int, dim: int, partition: int, strategy: str, options: dict) -> str:
     if kind == "lm":
         extern = ('extern_data = {"data": {"dim": %d, "sparse": True}, "delayed": {"dim": %d, "sparse": True}}'
                   % (VOCAB + 3, VOCAB + 3))
-        return CONFIG.format(train=dataset_options(kind, files, partition), num_inputs=VOCAB + 3,
+        return CONFIG.format(train=dataset_options(kind, files, size, dim, partition), num_inputs=VOCAB + 3,
                              num_outputs=VOCAB + 3, input="data:delayed", target="data", extern_data=extern,
                              strategy=strategy, options=options)
-    return CONFIG.format(train=dataset_options(kind, files, partition), num_inputs=dim, num_outputs=CLASSES,
+    return CONFIG.format(train=dataset_options(kind, files, size, dim, partition), num_inputs=dim, num_outputs=CLASSES,
                          input="data", target="classes", extern_data="", strategy=strategy, options=options)
 
 
@@ -233,7 +233,7 @@ def main():
     started = time.perf_counter()
     try:
         for size in args.sizes:
-            files = {"size": size, "dim": args.dim}
+            files = {}
             if {"hdf", "meta"} & set(args.kinds):
                 gb = size * 275 * (args.dim + 1) * 4 / 1e9
                 if gb <= args.max_hdf_gb:
@@ -255,7 +255,8 @@ def main():
                     folder = tempfile.mkdtemp(dir=work)
                     os.makedirs(os.path.join(folder, "out"))
                     with open(os.path.join(folder, "train.config"), "w") as f:
-                        f.write(config_text(kind, files, max(1, size // args.epoch_seqs), args.dim, strategy, options))
+                        f.write(config_text(kind, files, size, args.dim, max(1, size // args.epoch_seqs), strategy,
+                                            options))
                     row = dict(timed_run([sys.executable, *command, "train.config"], folder), run=name, kind=kind,
                                size=size, corpus_gb=round(disk, 2), waiting=None)
                     metrics = os.path.join(folder, "out", "metrics.jsonl")

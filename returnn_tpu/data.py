@@ -113,10 +113,6 @@ class BatchingOptions:
             batch_set.advance(1)
             yield batch
 
-    def generate(self, dataset, *, recurrent: bool, used_data_keys, train: bool) -> list:
-        """All of :meth:`stream`'s batches of the epoch, as a list."""
-        return list(self.stream(dataset, recurrent=recurrent, used_data_keys=used_data_keys, train=train))
-
     def pad(self, raw: Batch) -> Batch:
         """RETURNN's batches keep their own shapes."""
         return raw
@@ -284,9 +280,9 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     from the config; no chunking and sorted order for ``dev``). For ``random_seed_offset`` on
     ``train`` there is one instance per local replica, each with its own offset; otherwise one.
     A ``train`` that shards its files (:func:`shards_files`) has one instance per local replica,
-    each with its shard of ``all_replicas`` (as RETURNN's PyTorch engine gives each rank its
-    shard: ``_num_shards``, ``_shard_index``); without ``all_replicas`` one instance of all files
-    (for checks). Returns [] if the config has no such key.
+    each with its shard of ``all_replicas`` (default: ``first_replica + num_replicas``), as
+    RETURNN's PyTorch engine gives each rank its shard (``_num_shards``, ``_shard_index``).
+    Returns [] if the config has no such key.
     """
     from returnn.datasets import Dataset
 
@@ -298,8 +294,9 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
         defaults.update(Dataset.get_default_kwargs_eval(config=config))
     base_offset = config.int("dataset_random_seed_offset", 0)
     replicas = range(first_replica, first_replica + num_replicas)
-    if shards_files(config, key):  # one file order for all shards (else they would overlap)
-        offsets = [base_offset] * (num_replicas if all_replicas else 1)
+    sharded = shards_files(config, key)
+    if sharded:  # one file order for all shards (else they would overlap)
+        offsets = [base_offset] * num_replicas
     elif distribution == "random_seed_offset" and key == "train":
         offsets = [replica * SEED_OFFSET_PER_REPLICA + base_offset for replica in replicas]
     else:
@@ -311,9 +308,8 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     datasets = []
     for replica, offset in zip(replicas, offsets):
         kwargs = {**defaults, "random_seed_offset": offset, **opts}
-        if shards_files(config, key):  # as RETURNN's "shard" over torch ranks, with a replica as the rank
-            kwargs.update(distrib_shard_files=False, _num_shards=all_replicas or 1,
-                          _shard_index=replica if all_replicas else 0)
+        if sharded:  # as RETURNN's "shard" over torch ranks, with a replica as the rank
+            kwargs.update(distrib_shard_files=False, _num_shards=all_replicas or replicas.stop, _shard_index=replica)
         Dataset.kwargs_update_from_config(config, kwargs)
         datasets.append(_init_dataset(key, kwargs))
     return datasets

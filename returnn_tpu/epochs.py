@@ -42,10 +42,9 @@ class TrainEpoch:
     :attr:`agreements`, :attr:`agree_seconds`, :attr:`agree_bytes` what agreeing cost.
     """
 
-    def __init__(self, local, workers, num_workers: int, ahead: int):
+    def __init__(self, local, workers, ahead: int):
         self.local = local
         self.workers = workers
-        self.num_workers = num_workers
         self.ahead = ahead
         self.start_seconds = local.start_seconds  # RETURNN's init_seq_order of the epoch
         self.first_step = 0
@@ -88,7 +87,7 @@ class TrainEpoch:
         """At the horizon ``step``: the next horizon, and whether the epoch ends there."""
         count, ended = made.wait_made(step + 1 - self.first_step)
         ready = self.first_step + count
-        if self.num_workers == 1:
+        if self.workers.num_workers == 1:
             return ready, ended
         start = time.perf_counter()
         rows = self.workers.rows([float(ready), float(ended)])
@@ -229,8 +228,8 @@ class EpochData:
         """This worker's training steps of ``epoch``; ``while_waiting`` is called while a producer
         starts the epoch."""
         local = self._batches(self.train_datasets, epoch, train=True, while_waiting=while_waiting)
-        ahead = max(self.options.data_prefetch, AHEAD_STEPS if self.cluster.num_workers > 1 else 0)
-        return TrainEpoch(local, self.workers, self.cluster.num_workers, ahead)
+        ahead = max(self.options.data_prefetch, AHEAD_STEPS if self.workers.num_workers > 1 else 0)
+        return TrainEpoch(local, self.workers, ahead)
 
     def continue_epoch(self, batches, steps_done: int, replicas_before: Optional[int] = None) -> Tuple[int, str]:
         """Has ``batches`` (an epoch's training batches) continue after ``steps_done`` steps that

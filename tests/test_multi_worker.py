@@ -98,7 +98,8 @@ def own_copy_batches(config_path, worker: int, epoch: int) -> int:
     config.load_file(str(config_path))
     dataset, = init_datasets(config, "train", 1, worker, "random_seed_offset")
     dataset.init_seq_order(epoch=epoch)
-    return len(BatchingOptions(config).generate(dataset, recurrent=True, used_data_keys=["data", "classes"], train=True))
+    return len(list(BatchingOptions(config).stream(dataset, recurrent=True, used_data_keys=["data", "classes"],
+                                                   train=True)))
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
