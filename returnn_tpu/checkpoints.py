@@ -186,16 +186,29 @@ def set_aside_unreadable(newest: Callable[[], Optional[str]], log_file=None):
     previous complete one. ``newest()`` is the prefix of the newest checkpoint (None: none left)."""
     while True:
         prefix = newest()
-        if prefix is None:
+        if prefix is None or _set_aside_if_unreadable(prefix, "resuming from the checkpoint before it", log_file):
             return
-        try:
-            load(prefix)
-            return
-        except Exception as exc:  # noqa: BLE001 (any reason a bundle does not load: truncation, garbage)
-            reason = _first_line(exc)
-            os.replace(prefix + ".index", prefix + ".index.unreadable")
-            print(f"returnn-tpu: warning: checkpoint {prefix} does not load ({reason}); renamed its index to "
-                  f"{prefix}.index.unreadable, resuming from the checkpoint before it", file=log_file)
+
+
+def set_aside_unreadable_interrupted(model_filename: str, log_file=None):
+    """Renames the index of every interrupted checkpoint of ``model_filename`` that does not load:
+    its epoch then starts again from the newest epoch's checkpoint."""
+    for prefix in _interrupted_prefixes(model_filename):
+        _set_aside_if_unreadable(prefix, "its epoch starts again from the epoch's checkpoint before it", log_file)
+
+
+def _set_aside_if_unreadable(prefix: str, fallback: str, log_file) -> bool:
+    """Whether the bundle ``prefix`` loads, with its marks; if not, its index is renamed to
+    ``.index.unreadable`` (kept for a person to look at), with a warning that says ``fallback``."""
+    try:
+        load(prefix)
+        return True
+    except Exception as exc:  # noqa: BLE001 (any reason a bundle does not load: truncation, garbage)
+        reason = _first_line(exc)
+    os.replace(prefix + ".index", prefix + ".index.unreadable")
+    print(f"returnn-tpu: warning: checkpoint {prefix} does not load ({reason}); renamed its index to "
+          f"{prefix}.index.unreadable, {fallback}", file=log_file)
+    return False
 
 
 def load(prefix: str) -> Dict[str, numpy.ndarray]:
@@ -295,10 +308,12 @@ class RunCheckpoints:
         return self.epoch_filename(epoch) if epoch >= 1 else None
 
     def tidy(self):
-        """Chief, before training: removes what crashed saves left behind and sets aside a newest
-        checkpoint that does not load (resume then uses the one before it)."""
+        """Chief, before training: removes what crashed saves left behind and sets aside interrupted
+        checkpoints and a newest epoch's checkpoint that do not load (resume then uses the one
+        before it)."""
         if self.chief:
             remove_stale_temporaries(self.model_filename, log_file=self.log.v2)
+            set_aside_unreadable_interrupted(self.model_filename, log_file=self.log.v1)
             set_aside_unreadable(self.newest, log_file=self.log.v1)
 
     def interrupted(self, start_epoch: int) -> Optional[Interrupted]:

@@ -6,7 +6,9 @@ TensorFlow or RETURNN upgrade that changes one breaks here, and its test (named 
   the trace (FACTS.md, "RETURNN's root graph"; tests/test_parity.py, the loop configs); RETURNN's
   gradient definitions reach a ``GradientTape`` (FACTS.md, "Gradients under a tape";
   tests/test_bridge.py); TensorFlow's stateful random ops can be routed to stateless ones
-  (:func:`random_ops_keyed_by`; FACTS.md, "One trace for all replicas"; tests/test_shared_trace.py).
+  (:func:`random_ops_keyed_by`; FACTS.md, "One trace for all replicas"; tests/test_shared_trace.py);
+  TensorFlow's ``static_rnn`` unrolls without ``tf.cond`` (FACTS.md, "Unrolled recurrences";
+  tests/test_bridge.py, tests/configs/unrolled_maxgradnorm.config).
 * Helpers on TensorFlow's private API for a network build: :func:`fresh_tf1_state` (a fresh TF1
   variable store and collections; FACTS.md, "Shared TF1 state"), :func:`variables_over_handles`
   (variables over a function's resource inputs), :func:`function_graph` (a graph traced once).
@@ -63,6 +65,7 @@ def setup_returnn():
     _make_returnn_gradients_tape_aware()
     _make_the_trace_returnns_root_graph()
     _route_stateful_random_ops()
+    _unroll_recurrences_without_conditionals()
     _RETURNN_READY = True
 
 
@@ -111,6 +114,27 @@ def _make_the_trace_returnns_root_graph():
         return var_handle_or_ref(var)
 
     tf_util.var_handle_or_ref = var_handle_in_the_trace
+
+
+def _unroll_recurrences_without_conditionals():
+    """TensorFlow's ``static_rnn`` (RETURNN's ``"unroll": True``) selects, not branches, per step.
+
+    With sequence lengths, each unrolled step is two nested ``tf.cond`` (skip the cell past the
+    longest sequence, copy states through past the shortest). In a trace every one is control flow
+    v2: function graphs per branch, more for each gradient, and more again for a second-order term
+    (``maximize_grad_norm``), which made most of a large graph's trace (FACTS.md, "Unrolled
+    recurrences"). TensorFlow's own ``skip_conditionals`` path computes the cell at every step and
+    selects per sequence with ``tf.where``: the same outputs, states and gradients, without a branch.
+    """
+    from tensorflow.python.ops import rnn
+
+    rnn_step = rnn._rnn_step
+
+    def rnn_step_selecting(*args, **kwargs):
+        kwargs["skip_conditionals"] = True
+        return rnn_step(*args, **kwargs)
+
+    rnn._rnn_step = rnn_step_selecting
 
 
 _BUILDING = threading.local()  # the random source of the network being built (on this replica's thread)

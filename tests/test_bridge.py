@@ -109,3 +109,29 @@ def test_returnn_gradient_definitions_reach_the_tape(tmp_path, rng):
     for name, grad in grads.items():
         norm = float(tf.linalg.norm(grad))
         assert (norm == 0.0) if name.startswith("below/") else (norm > 0.0), (name, norm)
+
+
+def test_unrolled_recurrence_is_traced_without_branches():
+    """``static_rnn`` with sequence lengths (RETURNN's ``"unroll": True``) selects per step instead
+    of branching (patches.py): no ``If`` in the trace, and the same values as TensorFlow's branches
+    (outputs zero and states held from each sequence's end)."""
+    from returnn_tpu.patches import setup_returnn
+
+    setup_returnn()
+    from tensorflow.python.ops import rnn, rnn_cell_impl
+
+    cell = rnn_cell_impl.BasicRNNCell(3)
+    inputs = [tf.constant(numpy.random.RandomState(step).randn(2, 4), tf.float32) for step in range(5)]
+    lengths = tf.constant([2, 5])
+
+    @tf.function(autograph=False)
+    def unrolled():
+        outputs, state = rnn.static_rnn(cell, inputs, sequence_length=lengths, dtype=tf.float32)
+        return tf.stack(outputs), state
+
+    op_types = {op.type for op in unrolled.get_concrete_function().graph.get_operations()}
+    assert not op_types & {"If", "StatelessIf"}, op_types
+    outputs, state = (t.numpy() for t in unrolled())
+    assert not outputs[2:, 0].any() and outputs[:2, 0].all()  # sequence 0 ends after 2 steps
+    numpy.testing.assert_allclose(state[0], outputs[1, 0], rtol=1e-6)  # its state is its last output
+    numpy.testing.assert_allclose(state[1], outputs[4, 1], rtol=1e-6)

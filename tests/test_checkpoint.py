@@ -119,6 +119,29 @@ def test_resume_skips_stale_temporaries_and_an_unreadable_newest_checkpoint(tmp_
         assert sorted(checkpoints.load(str(tmp_path / f"model.00{epoch}"))) == sorted(trainer.checkpoints.state())
 
 
+@pytest.mark.parametrize("damage", ["truncated data", "random index"])
+def test_a_damaged_interrupted_checkpoint_is_set_aside(tmp_path, damage):
+    """An interrupted checkpoint that does not load (a crash of the file system, garbage) does not
+    block every later start: its index is renamed with one line, and its epoch starts again from
+    the epoch's checkpoint before it."""
+    network = {"output": {"class": "softmax", "loss": "ce", "from": "data"}}
+    first = make_trainer(tmp_path, network, num_epochs=1)
+    first.train()
+    prefix = str(tmp_path / "model.002.interrupted")
+    checkpoints.save_interrupted(str(tmp_path / "model"), prefix, first.checkpoints.state(), epoch=2, steps_done=3,
+                                 num_replicas=2)
+    if damage == "truncated data":
+        data = tmp_path / "model.002.interrupted.data-00000-of-00001"
+        data.write_bytes(data.read_bytes()[:100])
+    else:
+        (tmp_path / "model.002.interrupted.index").write_bytes(numpy.random.RandomState(0).bytes(300))
+    second = make_trainer(tmp_path, network, num_epochs=2)
+    assert second.checkpoints.resume_point(lambda value: [value]) == (2, 0, str(tmp_path / "model.001"), False, None)
+    assert (tmp_path / "model.002.interrupted.index.unreadable").exists()
+    second.train()
+    assert sorted(checkpoints.load(str(tmp_path / "model.002"))) == sorted(second.checkpoints.state())
+
+
 def test_an_epoch_whose_record_fails_is_trained_again_and_recorded_once(tmp_path):
     """learning_rate_file cannot be written after epoch 2 (RETURNN's temporary file is a folder, as
     a full disk fails it): a one-line error and no checkpoint of epoch 2; continued, the run trains
