@@ -134,6 +134,17 @@ class VariableCache(tf.Module):
         self._add_to_collections(var, kwargs.get("trainable", True))
         return var
 
+    def start_build(self):
+        """Makes the next network build each variable's first, as every build is in plain RETURNN.
+
+        ``LayerBase.add_param`` takes the variables of a layer with ``"trainable": False`` out of the
+        build's TRAINABLE_VARIABLES only where it sees a variable for the first time (its
+        ``RETURNN_layer`` unset); these variables outlive a build, so a second build would train
+        a frozen layer (FACTS.md, "Frozen layers")."""
+        for var in self.by_name.values():
+            if getattr(var, "RETURNN_layer", None) is not None:
+                var.RETURNN_layer = None
+
     @staticmethod
     def _asked_with_other_shape(var: tf.Variable, kwargs) -> bool:
         return tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape))
@@ -419,6 +430,7 @@ class NetworkBuilder:
             extern_data.get_batch_info().dim = batch
             extern_data.init_batch_info()
         seed = shared.replica_seed if shared else self.replica_seed(replica_id)
+        self.variables.start_build()
         creator = functools.partial(self.variables.lend, shared.variables) if shared else self.variables.creator
         random_ops = random_ops_keyed_by(seed, global_step) if shared else contextlib.nullcontext()
         with fresh_tf1_state(), tf.variable_creator_scope(creator), _layer_templates_unlogged(), \

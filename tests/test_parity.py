@@ -53,6 +53,8 @@ EPOCHS = {"get_network": 3, "enc_dec_attention_pretrain": 3}
 CLEANUP = ["++cleanup_old_models", "{'keep_last_n': 1, 'keep_best_n': 0, 'keep': [0]}"]
 
 
+# Configs with frozen layers ("trainable": False): their parameters, which no run may change.
+FROZEN = {"ctc_blstm": ["conv0/W"]}
 # In the quick suite (the README's test command); the other configs run with the slow tests.
 QUICK = {"old_style_12ax", "factored_hybrid_shared_dims"}
 
@@ -91,6 +93,10 @@ def test_same_as_plain_returnn(name, tmp_path, env):
     assert [f for f in os.listdir(tmp_path / "local_sgd" / "out") if f.endswith(".001.index")]  # (pretrain.)001
     with open(tmp_path / "local_sgd" / "out" / "metrics.jsonl") as f:
         assert json.loads(f.readline())["num_replicas"] == 2
+    for run_name in ("plain", "ours", "local_sgd"):
+        trained = initial_params_of(str(tmp_path / run_name / "out" / "model.001"))
+        for key in FROZEN.get(name, []):
+            numpy.testing.assert_array_equal(trained[key], plain[key], err_msg=f"{run_name}: frozen {key} changed")
 
 
 @pytest.mark.slow
