@@ -213,10 +213,10 @@ def optimizer_from_config(config) -> Optimizer:
             opts = {"class": "sgd"}
     if isinstance(opts, str):
         opts = {"class": opts}
-    if not isinstance(opts, dict) or not isinstance(opts.get("class"), str):
+    if not isinstance(opts, dict) or "class" not in opts:
         raise ConfigError(f"optimizer must be a dict with a 'class' name, got {opts!r}")
     opts = dict(opts)
-    name = opts.pop("class").lower()
+    name = _optimizer_class_name(opts.pop("class"))
     known = {
         "sgd": (Optimizer, {}),
         "gradientdescent": (Optimizer, {}),
@@ -237,6 +237,24 @@ def optimizer_from_config(config) -> Optimizer:
         raise ConfigError(
             f"optimizer {name!r} got unsupported options {sorted(opts)}; valid: {', '.join(valid) or 'none'}"
         ) from None
+
+
+def _optimizer_class_name(value) -> str:
+    """The name of the optimizer ``optimizer["class"]`` means, for the forms RETURNN's
+    ``get_optimizer_class`` accepts: a name, a function that returns one, or a class; a class is
+    one of TensorFlow's that this module implements, else refused in one line."""
+    if callable(value) and not isinstance(value, type):
+        value = value()
+    if isinstance(value, type):
+        implemented = {tf.compat.v1.train.GradientDescentOptimizer: "sgd",
+                       tf.compat.v1.train.MomentumOptimizer: "momentum", tf.compat.v1.train.AdamOptimizer: "adam"}
+        if value not in implemented:
+            raise ConfigError(f"optimizer class {value.__name__}: returnn-tpu runs its own optimizers in each replica; "
+                              "use one of: sgd, momentum, adam, nadam")
+        return implemented[value]
+    if not isinstance(value, str):
+        raise ConfigError(f"optimizer['class'] must be an optimizer's name, got {value!r}")
+    return value.lower()
 
 
 class StepLearningRate:

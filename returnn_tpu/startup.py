@@ -255,13 +255,20 @@ def _check_number(config, key: str, integer: bool, what: str, valid):
 
 
 def _check_dataset(key: str, opts):
+    """The dataset's class is one RETURNN's ``init_dataset`` accepts: a name it knows, or a
+    ``Dataset`` subclass (one defined in the config, too). Other forms (a file name, a
+    ``"config:"`` reference, a function returning the options, a dataset object) RETURNN resolves."""
     if not isinstance(opts, dict):
-        return  # a file name or a "config:" reference: RETURNN's init_dataset resolves it
-    from returnn.datasets.basic import get_dataset_class
+        return
+    from returnn.datasets.basic import Dataset, get_dataset_class
 
-    name = opts.get("class")
-    if not isinstance(name, str) or get_dataset_class(name) is None:
-        raise ConfigError(f"{key}: unknown dataset class {name!r}; see RETURNN's returnn/datasets for the classes")
+    cls = opts.get("class")
+    if isinstance(cls, type):
+        if not issubclass(cls, Dataset):
+            raise ConfigError(f"{key}: dataset class {cls.__name__} is not a subclass of RETURNN's Dataset")
+    elif not isinstance(cls, str) or get_dataset_class(cls) is None:
+        raise ConfigError(f"{key}: unknown dataset class {cls!r}; see RETURNN's returnn/datasets for the classes, "
+                          "or give a Dataset subclass")
 
 
 def _has_loss(net: dict) -> bool:

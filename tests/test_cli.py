@@ -11,7 +11,7 @@ import time
 import numpy
 import pytest
 
-from conftest import REPO, config_12ax, run_cli
+from conftest import REPO, Code, config_12ax, run_cli
 
 DEMO = os.path.join(REPO, "demos", "demo-local-sgd.12ax.config")
 
@@ -190,6 +190,33 @@ def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
     assert "Traceback" not in result.stderr
     assert sorted(os.listdir(tmp_path)) == sorted(["train.config"] + (["garbage.txt"] if "garbage" in line else []))
     # (the log it had begun is removed)
+
+
+CONFIG_DEFINED_OBJECTS = """
+from returnn.datasets.generating import Task12AXDataset
+import tensorflow as tf
+
+class MyTask(Task12AXDataset):
+    \"\"\"A dataset class of the config's own.\"\"\"
+
+def dev_options():
+    return {"class": MyTask, "num_seqs": 10, "fixed_random_seed": 1}
+"""
+
+
+def test_objects_defined_in_the_config_are_accepted_as_returnn_accepts_them(tmp_path):
+    """What RETURNN's own code accepts beside names (a Dataset subclass as a dataset's class, a
+    function that returns a dataset's options, an optimizer class of TensorFlow's or a function
+    that returns an optimizer's name) trains here too, through the default producer path."""
+    for optimizer in ("tf.compat.v1.train.AdamOptimizer", "lambda: 'adam'"):
+        work = tmp_path / optimizer[:6]
+        work.mkdir()
+        config = config_12ax(CONFIG_DEFINED_OBJECTS, train=Code('{"class": MyTask, "num_seqs": 20}'),
+                             dev=Code("dev_options"), optimizer=Code(f'{{"class": {optimizer}}}'), num_epochs=1)
+        (work / "train.config").write_text(config)
+        result = run_cli(["train.config"], cwd=work)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "dev: score" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.slow
