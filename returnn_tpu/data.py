@@ -34,6 +34,7 @@ module without it (FACTS.md, "A producer without TensorFlow").
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import os
 import queue
@@ -44,7 +45,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import numpy
 
-from returnn_tpu.errors import ConfigError
+from returnn_tpu.errors import ConfigError, refused_by_returnn
 
 Batch = Dict[str, numpy.ndarray]
 SEED_OFFSET_PER_REPLICA = 16127  # RETURNN's factor per Horovod rank
@@ -316,15 +317,28 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
 
 
 def _init_dataset(key: str, opts, defaults: Optional[dict] = None):
-    """RETURNN's ``init_dataset``; a file it cannot open or read (a missing or truncated HDF file)
-    is bad input, one line naming the dataset."""
+    """RETURNN's ``init_dataset``; whatever it raises is bad input, one line naming the dataset: a
+    file it cannot open or read (a missing or truncated HDF file), an option it refuses (a
+    ``chunking`` it cannot parse, a ``seq_ordering`` a dataset does not allow)."""
     from returnn.datasets import init_dataset
 
     try:
         return init_dataset(opts, default_kwargs=defaults)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 (RETURNN's checks raise any type; all are the config's)
         what = opts.get("class") if isinstance(opts, dict) else opts
-        raise ConfigError(f"{key}: RETURNN's {what} cannot read its files: {exc}") from None
+        what = getattr(what, "__name__", what)
+        if isinstance(exc, OSError):
+            error = ConfigError(f"{key}: RETURNN's {what} cannot read its files: {exc}")
+        else:
+            error = refused_by_returnn(key, f"its {what}", exc)
+        # The half-made dataset's __del__ may fail in turn (PostprocessingDataset's does): a second
+        # traceback about nothing the user can change. It runs as the exception is let go.
+        hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    raise error from None
 
 
 def init_eval_datasets(config) -> list:

@@ -199,8 +199,8 @@ def optimizer_from_config(config) -> Optimizer:
     Supported: ``optimizer = {"class": "sgd" | "momentum" | "adam" | "nadam", ...}`` and the old
     flags ``adam = True``, ``nadam = True``, ``momentum = 0.9``; anything else is a ConfigError.
     """
-    epsilon = config.float("optimizer_epsilon", DEFAULT_EPSILON)
-    momentum = config.float("momentum", 0.0)
+    epsilon = config_number(config, "optimizer_epsilon", DEFAULT_EPSILON)
+    momentum = config_number(config, "momentum", 0.0)
     opts = config.typed_value("optimizer", None)
     if opts is None:
         if config.bool("adam", False):
@@ -228,6 +228,9 @@ def optimizer_from_config(config) -> Optimizer:
         raise ConfigError(f"optimizer class {name!r} is not supported; use one of: {', '.join(known)}")
     cls, defaults = known[name]
     kwargs = {**defaults, **opts}
+    for key, value in opts.items():  # TensorFlow would find a string only when the step runs
+        if key != "use_nesterov" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"optimizer[{key!r}] must be a number, got {value!r}")
     if cls is MomentumOptimizer and not kwargs.get("momentum"):
         raise ConfigError("optimizer 'momentum' needs a momentum value (optimizer['momentum'] or config 'momentum')")
     try:
@@ -237,6 +240,14 @@ def optimizer_from_config(config) -> Optimizer:
         raise ConfigError(
             f"optimizer {name!r} got unsupported options {sorted(opts)}; valid: {', '.join(valid) or 'none'}"
         ) from None
+
+
+def config_number(config, key: str, default: float) -> float:
+    """RETURNN's ``config.float(key, default)``; a value that is no number is a one-line error."""
+    try:
+        return config.float(key, default)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a number, got {config.typed_value(key)!r}") from None
 
 
 def _optimizer_class_name(value) -> str:
@@ -326,15 +337,18 @@ class GradientOptions:
 
     @classmethod
     def from_config(cls, config) -> "GradientOptions":
+        def number(key: str) -> float:
+            return config_number(config, key, 0.0)
+
         return cls(
-            noise=config.float("gradient_noise", 0.0),
-            clip=config.float("gradient_clip", 0.0),
-            clip_norm=config.float("gradient_clip_norm", 0.0),
-            clip_avg_norm=config.float("gradient_clip_avg_norm", 0.0),
-            clip_global_norm=config.float("gradient_clip_global_norm", 0.0),
+            noise=number("gradient_noise"),
+            clip=number("gradient_clip"),
+            clip_norm=number("gradient_clip_norm"),
+            clip_avg_norm=number("gradient_clip_avg_norm"),
+            clip_global_norm=number("gradient_clip_global_norm"),
             nan_inf_filter=config.bool("gradient_nan_inf_filter", False),
-            norm_to_clip_to_zero=config.float("grad_norm_to_clip_to_zero", 0.0),
-            maximize_grad_norm=config.float("maximize_grad_norm", 0.0),
+            norm_to_clip_to_zero=number("grad_norm_to_clip_to_zero"),
+            maximize_grad_norm=number("maximize_grad_norm"),
         )
 
     def final(self, grads: List[tf.Tensor], batch_grads: List[tf.Tensor]) -> List[tf.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import tensorflow as tf
 
 from returnn_tpu.data import size_key
-from returnn_tpu.errors import ConfigError
+from returnn_tpu.errors import ConfigError, refused_by_returnn
 from returnn_tpu.patches import SharedBuildUnsupported, drawing_from, fresh_tf1_state, random_ops_keyed_by
 from returnn_tpu.patches import setup_returnn
 
@@ -363,13 +363,18 @@ class NetworkBuilder:
         from returnn.tf.network import LayerNotFound, TFNetwork
 
         with tf.Graph().as_default():
-            extern_data = extern_data_template(self.config, placeholders=True)
+            try:
+                extern_data = extern_data_template(self.config, placeholders=True)
+            except Exception as exc:  # noqa: BLE001 (RETURNN's checks of the data's options raise any type)
+                raise refused_by_returnn("extern_data", "the network's inputs", exc) from None
             net = TFNetwork(config=self.config, extern_data=extern_data, train_flag=True, eval_flag=True)
             try:
                 net.construct_from_dict(self.net_dict)
             except LayerNotFound as exc:  # a "from" (or another reference) naming no layer: the user's typo
                 raise ConfigError(f"network: {str(exc).split(' in <')[0]}; a 'from' or another option names a layer "
                                   "that the network does not have") from None
+            except Exception as exc:  # noqa: BLE001 (a layer's options checked by RETURNN: any type)
+                raise refused_by_returnn("network", "the network", exc) from None
             return NetworkInfo(
                 extern_data=extern_data,
                 recurrent=bool(net.recurrent),

@@ -213,7 +213,8 @@ def _turned_on(config, key: str) -> bool:
 
 
 def check_classes(config):
-    """Every dataset and layer class the config names is one RETURNN knows. Imports RETURNN's
+    """Every dataset and layer class the config names is one RETURNN knows, and ``chunking``
+    parses. Imports RETURNN's
     dataset and TF layer modules (TensorFlow): run after RETURNN is set up for TF2 (FACTS.md,
     "What imports TensorFlow")."""
     for key in ("train", "dev", "eval"):
@@ -224,6 +225,20 @@ def check_classes(config):
     for name, opts in eval_datasets.items():
         _check_dataset(f"eval_datasets[{name!r}]", opts)
     check_layer_classes(config.typed_value("network", None))
+    _check_chunking(config.typed_value("chunking", None))
+
+
+def _check_chunking(chunking):
+    """``chunking`` is a value RETURNN's datasets can parse (with RETURNN's own parser)."""
+    from returnn.datasets.basic import Dataset
+
+    if chunking is None:
+        return
+    try:
+        Dataset._parse_chunking(chunking)
+    except Exception:  # noqa: BLE001 (its parser fails with any type)
+        raise ConfigError(f"chunking must be 'size:step' (e.g. '100:50'), a size, a (size, step) pair, dicts of "
+                          f"them per data key, or a function; got {chunking!r}") from None
 
 
 def check_layer_classes(network: Optional[dict], where: str = "network"):
@@ -280,6 +295,9 @@ def _has_loss(net: dict) -> bool:
     return False
 
 
+LONGEST_FILE_NAME = 100  # bytes: the longest name of a file written in the model's folder, with room to spare
+
+
 def _check_writable(option: str, folder: str):
     """``folder`` can be created or written, found by trying (``os.access`` says yes to root, also
     under ``/proc``): a file is created and removed in its nearest existing ancestor, and every
@@ -300,6 +318,14 @@ def _check_writable(option: str, folder: str):
     if too_long:
         raise ConfigError(f"{option}: cannot write to {folder!r} (the name {too_long[0][:40]!r}... is longer than the "
                           f"{longest} bytes the file system allows)")
+    try:
+        longest_path = os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        longest_path = 4096
+    # Room for the files written there, e.g. "model.123.interrupted.tmp-1234567.data-00000-of-00001".
+    if len(folder.encode()) + LONGEST_FILE_NAME > longest_path:
+        raise ConfigError(f"{option}: cannot write to {folder[:60]!r}... (its path of {len(folder.encode())} bytes "
+                          f"leaves no room for file names in the {longest_path} bytes a path may have)")
     try:
         handle, probe = tempfile.mkstemp(prefix=".returnn_tpu_write_test_", dir=existing)
         os.close(handle)

@@ -174,12 +174,21 @@ LATE_BAD_INPUT = [  # found once TensorFlow or the datasets are up: still status
     ('network["output"]["from"] = "fw1"', {}, "network: layer 'fw1' not found"),
     ('learning_rate_file = "garbage.txt"\nopen("garbage.txt", "w").write("{1: x y z}")', {},
      "learning_rate_file 'garbage.txt' is not a RETURNN learning-rate file"),
+    # Whatever RETURNN raises while it builds the network's inputs, the network or a dataset.
+    ('extern_data = {"data": {"dim": "9"}, "classes": {"dim": 2, "sparse": True}}', {},
+     "extern_data: RETURNN cannot build the network's inputs from the config: TypeError: unexpected dimension type"),
+    ('class MyLayer:\n    pass\nnetwork["output"]["class"] = MyLayer', {},
+     "network: RETURNN cannot build the network from the config: Exception: unknown layer class"),
+    ('dev = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 10},\n'
+     '       "map_seq": lambda x, **_: x}\nbatching = "random"', {},
+     "dev: RETURNN cannot build its PostprocessingDataset from the config: ValueError: "),
 ]
 
 
 @pytest.mark.parametrize("line,env,message", LATE_BAD_INPUT,
                          ids=["num_inputs", "no_mpi_library", "no_train_seqs", "no_dev_seqs", "no_hdf_file",
-                              "missing_layer", "garbage_lr_file"])
+                              "missing_layer", "garbage_lr_file", "dim_string", "layer_class_object",
+                              "postprocessing_dev"])
 def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
     config = config_12ax(num_inputs=None) if line.startswith("num_inputs") else config_12ax()
     (tmp_path / "train.config").write_text(config + line + "\nlog = 'out/train.log'\n")
