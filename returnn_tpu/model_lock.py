@@ -2,11 +2,14 @@
 
 Two runs on the same ``model`` would overwrite each other's checkpoints and learning-rate file.
 The chief of a run creates ``<model>.lock`` (``O_EXCL``) holding its host, pid and start time,
-and keeps its modification time fresh from a thread; a second run that finds it stops with one
-line naming the owner (bad input: exit status 2, nothing written). A lock is stale, and is taken
-over with a log line, when its process is gone (same host) or it was not refreshed for
-:data:`STALE_SECONDS` (another host, whose processes cannot be seen from here: a crashed or
-preempted job's lock does not block its resubmission for longer than that).
+and what tells its process from a later one with the same pid (the kernel's boot id and the
+process's start in clock ticks since boot, from ``/proc``), and keeps its modification time fresh
+from a thread; a second run that finds it stops with one line naming the owner (bad input: exit
+status 2, nothing written). A lock is stale, and is taken over with a log line, when its process
+is gone (same host): no process has its pid, or the one that has it started at another time or
+before another boot (a pid reused after a restart, e.g. pid 1 in a restarted container); or it
+was not refreshed for :data:`STALE_SECONDS` (another host, whose processes cannot be seen from
+here: a crashed or preempted job's lock does not block its resubmission for longer than that).
 """
 
 from __future__ import annotations
@@ -23,6 +26,21 @@ REFRESH_SECONDS = 30.0  # how often the owner touches its lock
 STALE_SECONDS = 120.0  # a lock of another host not touched this long is stale
 
 
+def _process_identity(pid: int) -> str:
+    """What tells process ``pid`` from another that gets the same pid later: the boot id and the
+    process's start time in clock ticks since boot (``/proc/PID/stat`` field 22); "?" where
+    ``/proc`` does not say (then a live pid counts as the owner)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) is in parentheses and may hold spaces: count after it.
+            start = f.read().rsplit(")", 1)[1].split()[19]
+        return f"{boot}/{start}"
+    except (OSError, IndexError):
+        return "?"
+
+
 class ModelLock:
     """The lock of the run that trains ``model_filename``; :meth:`release` (or the process's end)
     frees it."""
@@ -30,7 +48,9 @@ class ModelLock:
     def __init__(self, model_filename: str, log_file=None):
         self.path = model_filename + ".lock"
         self._stop = threading.Event()
-        owner = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n"
+        owner = f"{socket.gethostname()} {os.getpid()} {time.time():.0f} {_process_identity(os.getpid())}\n"
+        if os.path.isdir(self.path):
+            raise ConfigError(f"model {model_filename!r}: {self.path} is a folder, not a lock file; remove it")
         for _ in range(2):  # the second time after a stale lock was removed
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -59,10 +79,12 @@ class ModelLock:
         raise ConfigError(f"model {model_filename!r}: could not take the lock {self.path}; another run is starting")
 
     def _owner(self) -> Optional[tuple]:
+        """``(host, pid, start time, process identity or None)`` of the lock's writer."""
         try:
             with open(self.path) as f:
-                host, pid, since = f.read().split()
-            return host, int(pid), float(since)
+                fields = f.read().split()
+            host, pid, since = fields[:3]
+            return host, int(pid), float(since), " ".join(fields[3:]) or None  # None: written by an older version
         except (OSError, ValueError):
             return None  # being written, or garbage
 
@@ -70,7 +92,7 @@ class ModelLock:
         owner = self._owner()
         if not owner:
             return f"lock file {self.path}"
-        host, pid, since = owner
+        host, pid, since, _ = owner
         return f"host {host}, pid {pid}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
 
     def _stale(self) -> Optional[str]:
@@ -82,7 +104,7 @@ class ModelLock:
         owner = self._owner()
         if owner is None:
             return f"unreadable, {age:.0f} s old" if age > STALE_SECONDS else None
-        host, pid, _ = owner
+        host, pid, _, identity = owner
         if host == socket.gethostname():
             try:
                 os.kill(pid, 0)
@@ -90,6 +112,8 @@ class ModelLock:
                 return f"its process {pid} on this host is gone"
             except PermissionError:
                 pass  # another user's running process
+            if identity not in (None, "?") and _process_identity(pid) != identity:
+                return f"its process {pid} on this host is gone (pid {pid} is now another process)"
             return None
         return f"host {host} did not refresh it for {age:.0f} s" if age > STALE_SECONDS else None
 

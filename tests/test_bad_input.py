@@ -164,6 +164,7 @@ def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys
 
     from returnn_tpu import cli
     from returnn_tpu.errors import ConfigError
+    from returnn_tpu import model_lock
     from returnn_tpu.model_lock import STALE_SECONDS, ModelLock
 
     (tmp_path / "train.config").write_text(config_12ax())
@@ -188,4 +189,16 @@ def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys
         assert not lock.exists()
     lock.write_text("other-host 1 0\n")  # refreshed just now: its owner may run
     with pytest.raises(ConfigError, match="in use by another returnn-tpu run \\(host other-host, pid 1"):
+        ModelLock(str(tmp_path / "out" / "model"))
+    # A pid that lives but is not the writer's process (pid 1 after a container restart): taken over;
+    # the writer's own process (its start time and boot id recorded): honoured.
+    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    lock.write_text(f"{socket.gethostname()} 1 0 {boot}/999999999999\n")
+    ModelLock(str(tmp_path / "out" / "model")).release()
+    lock.write_text(f"{socket.gethostname()} {os.getpid()} 0 {model_lock._process_identity(os.getpid())}\n")
+    with pytest.raises(ConfigError, match="in use by another returnn-tpu run"):
+        ModelLock(str(tmp_path / "out" / "model"))
+    lock.unlink()
+    lock.mkdir()  # a folder where the lock goes: one line, no IsADirectoryError
+    with pytest.raises(ConfigError, match="model.lock is a folder, not a lock file; remove it"):
         ModelLock(str(tmp_path / "out" / "model"))
