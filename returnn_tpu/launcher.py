@@ -21,7 +21,9 @@ anything in the machine's own namespace. Where the kernel does not allow it, or 
 With ``max_restarts`` K, a job that failed (a worker lost, killed or crashed; not bad input,
 exit status 2, and not a stop by a signal) is started again, all workers on new ports, up to K
 times; each start resumes from the newest checkpoint (the interrupted one the survivors wrote:
-at most one sync period of work is lost), as torchrun's ``--max-restarts`` does.
+at most one sync period of work is lost), as torchrun's ``--max-restarts`` does. Restarts back
+off (:func:`restart_delay`): a failure that comes back at once (a sequence that always fails to
+load, a file system that is away) does not use up K in seconds.
 
 Exit status: the first non-zero status of a worker (a worker ended by a signal counts as 1), 0 if
 all succeed, 128 + the signal number when the launcher was stopped by a signal.
@@ -142,9 +144,17 @@ def run_local_workers(num_workers: int, args: List[str], max_restarts: int = 0) 
         status = _run_once(num_workers, args)
         if status in (0, 2) or status > 128 or attempt == max_restarts:
             return status
+        delay = restart_delay(attempt)
         print(f"returnn-tpu: the job failed (status {status}); restarting all {num_workers} workers from the newest "
-              f"checkpoint ({attempt + 1} of {max_restarts} restarts)", file=sys.stderr, flush=True)
+              f"checkpoint in {delay:.0f} s ({attempt + 1} of {max_restarts} restarts)", file=sys.stderr, flush=True)
+        time.sleep(delay)
     return status
+
+
+def restart_delay(restarts_before: int) -> float:
+    """Seconds to wait before a job's restart after ``restarts_before`` earlier ones: 10 s,
+    doubling, at most 5 minutes."""
+    return min(10.0 * 2 ** restarts_before, 300.0)
 
 
 def _run_once(num_workers: int, args: List[str]) -> int:

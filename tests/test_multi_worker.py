@@ -477,9 +477,41 @@ def test_max_restarts_resumes_the_job_after_a_lost_worker(tmp_path):
     os.kill(_workers_of(launcher)[1], signal.SIGKILL)
     output, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, output[-3000:]
-    assert "restarting all 2 workers from the newest checkpoint (1 of 1 restarts)" in output
+    assert "restarting all 2 workers from the newest checkpoint in 10 s (1 of 1 restarts)" in output
     assert "start training at epoch 1, step 11 (interrupted there)" in output, output[-3000:]  # 12+ done, 10 kept
     assert os.path.exists(tmp_path / "out" / "model.002.index")
+
+
+FAILING_DATASET = """
+from returnn.datasets.generating import Task12AXDataset
+
+class FailsAtSeq5(Task12AXDataset):
+    \"\"\"A corpus with a sequence that never loads.\"\"\"
+    def generate_seq(self, seq_idx):
+        if seq_idx == 5:
+            raise RuntimeError("sequence 5 is damaged")
+        return super().generate_seq(seq_idx)
+"""
+
+
+@pytest.mark.slow
+def test_max_restarts_backs_off_and_gives_up_on_bad_input(tmp_path):
+    """A job that fails the same way at every start is restarted after 10 s, then 20 s (not at
+    once); bad input (exit status 2), which no restart can fix, is not restarted at all."""
+    from conftest import Code, config_12ax
+
+    (tmp_path / "fails.config").write_text(config_12ax(FAILING_DATASET, train=Code('{"class": FailsAtSeq5, "num_seqs": 40}'),
+                                                       distribute_options={"param_sync_step": 2}))
+    start = time.time()
+    result = run_cli(["--local-workers", "1", "--max-restarts", "2", "fails.config"], cwd=tmp_path)
+    elapsed = time.time() - start
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (result.stdout + result.stderr).count("RuntimeError: sequence 5 is damaged") == 3, result.stdout[-3000:]
+    assert "in 10 s (1 of 2 restarts)" in result.stderr and "in 20 s (2 of 2 restarts)" in result.stderr
+    assert elapsed >= 30
+    (tmp_path / "bad.config").write_text(config_12ax(train={"class": "Task12AXDataset", "num_seqs": 0}))
+    result = run_cli(["--local-workers", "1", "--max-restarts", "2", "bad.config"], cwd=tmp_path)
+    assert result.returncode == 2 and "restarting" not in result.stderr, result.stderr[-3000:]
 
 
 SYNC_EVERY_10 = {"param_sync_step": 10, "dataset_distribution": "shard"}
