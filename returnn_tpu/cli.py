@@ -230,6 +230,7 @@ def train(filename: str, overrides: List[str]) -> int:
             lock.release()
         _remove_new_paths(new_paths)  # bad input found after the log started (e.g. the data's dims)
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
+        _abort_mpi_job(2)  # a refusal on one rank (the chief's lock, data found late) ends all of them
         return 2
     except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
         status = 1
@@ -239,7 +240,7 @@ def train(filename: str, overrides: List[str]) -> int:
         finally:
             if lock:
                 lock.release()
-            if cluster and cluster.kind == "mpi" and cluster.num_workers > 1 and not isinstance(exc, Stopped):
+            if not isinstance(exc, Stopped):
                 _abort_mpi_job(status)
     finally:
         if lock:
@@ -277,14 +278,17 @@ def _has_gpus() -> bool:
 
 
 def _abort_mpi_job(status: int):
-    """Under ``mpirun``, a rank that fails ends the whole job: ``MPI_Abort`` has ``mpirun`` kill
-    every rank (a hung one too), where a normal exit would wait in ``MPI_Finalize`` for a peer
-    that never comes (FACTS.md, "MPI"); ``mpirun`` then exits with ``status``."""
-    from returnn_tpu.cluster.mpi import import_mpi
-
+    """Under ``mpirun`` (MPI initialized in this process, more than one rank), a rank that fails
+    or refuses its input ends the whole job: ``MPI_Abort`` has ``mpirun`` kill every rank (a hung
+    one too, or one waiting for this one in a collective), where a normal exit would wait in
+    ``MPI_Finalize`` for a peer that never comes (FACTS.md, "MPI"); ``mpirun`` then exits with
+    ``status``. Without MPI, nothing."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() < 2:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
-    import_mpi().COMM_WORLD.Abort(status)
+    mpi.COMM_WORLD.Abort(status)
 
 
 def _training_failure(exc: Exception, cluster) -> int:

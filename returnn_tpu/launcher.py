@@ -189,6 +189,9 @@ def _run_once(num_workers: int, args: List[str]) -> int:
             failed = [proc.returncode for proc in workers if proc.returncode not in (None, 0)]
             if failed:
                 status = failed[0] if failed[0] > 0 else 1
+                if status == 2:  # bad input: the others stop now (saving what they trained), not when they find it lost
+                    _stop(workers, signal.SIGTERM, GRACE_SECONDS)
+                    break
                 # Stopping at a signal, or a survivor that saved: the others are doing the same.
                 others_stopping = status > 128 or status == RESUMABLE_STATUS
                 _stop(workers, None, GRACE_SECONDS if others_stopping else LOST_WORKER_SECONDS)

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -116,6 +117,35 @@ def test_two_workers_local_sgd_via_mpirun(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "MPI rank 0 of 2" in result.stdout
     assert_trained_and_in_sync(tmp_path, result.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["mpirun", "local_workers"])
+def test_a_refusal_on_one_worker_ends_the_whole_job_with_status_2(tmp_path, launcher):
+    """The chief refuses to start (its model is locked by a live run); the other worker, which
+    would wait for it in a collective, is ended too: the job exits with status 2 within seconds."""
+    if launcher == "mpirun" and shutil.which("mpirun") is None:
+        pytest.skip("Open MPI is not installed (.ci/run installs it)")
+    resolver = {"cluster_resolver": "mpi"} if launcher == "mpirun" else {}
+    write_config(tmp_path / "train.config", options={"param_sync_step": 3, "startup_timeout": 120, **resolver})
+    (tmp_path / "out").mkdir()
+    holder = subprocess.Popen(["sleep", "600"])  # a live process of this host holds the lock
+    (tmp_path / "out" / "model.lock").write_text(f"{socket.gethostname()} {holder.pid} {time.time():.0f}\n")
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = (["mpirun", "--oversubscribe", "--tag-output", "-np", "2"] if launcher == "mpirun" else []) + \
+        [sys.executable, "-m", "returnn_tpu.cli"] + (["--local-workers", "2"] if launcher != "mpirun" else []) + \
+        ["train.config"]
+    start = time.time()
+    try:
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        holder.kill()
+    elapsed = time.time() - start
+    print(f"{launcher}: a refusal of worker 0 ended the job after {elapsed:.1f} s, status {result.returncode}")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "is in use by another returnn-tpu run" in result.stdout + result.stderr
+    assert elapsed < 60  # (it waited 240 s in a collective, then exited 75)
 
 
 @pytest.mark.slow
