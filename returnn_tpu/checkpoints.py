@@ -13,6 +13,7 @@ state or a complete checkpoint, never a half one. A ``model.NNN.meta`` file foll
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import os
@@ -23,7 +24,7 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional
 import numpy
 import tensorflow as tf
 
-from returnn_tpu.errors import ConfigError
+from returnn_tpu.errors import ConfigError, write_failure_status
 
 
 def save(prefix: str, variables: Mapping[str, tf.Variable]):
@@ -38,9 +39,9 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
     for name, tensor in zip(names, tensors):
         if tensor.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(tensor))):
             raise NonFiniteModel(f"not writing checkpoint {prefix}: {name!r} holds NaN or Inf values")
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     tmp_prefix = f"{prefix}{TMP_MARK}{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         tf.raw_ops.SaveV2(
             prefix=tmp_prefix,
             tensor_names=names,
@@ -49,17 +50,17 @@ def save(prefix: str, variables: Mapping[str, tf.Variable]):
         )
         with open(tmp_prefix + ".meta", "wb") as file:
             file.write(_META_GRAPH)
+        data_suffix = ".data-00000-of-00001"
+        os.replace(tmp_prefix + data_suffix, prefix + data_suffix)
+        os.replace(tmp_prefix + ".index", prefix + ".index")
+        os.replace(tmp_prefix + ".meta", prefix + ".meta")
     except (tf.errors.OpError, OSError) as exc:
         for path in glob.glob(glob.escape(tmp_prefix) + "*"):
-            os.remove(path)
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(prefix))).free
-        # TensorFlow's "{{function_node ...}} <temporary file>; No space left on device [Op:SaveV2]"
-        reason = re.sub(r"^\{\{.*?\}\}\s*|\s*\[Op:\w+\]$", "", _first_line(exc)).rsplit("; ", 1)[-1]
-        raise CheckpointWriteError(f"could not write checkpoint {prefix} ({free / 1e6:.1f} MB free there): {reason}") from None
-    data_suffix = ".data-00000-of-00001"
-    os.replace(tmp_prefix + data_suffix, prefix + data_suffix)
-    os.replace(tmp_prefix + ".index", prefix + ".index")
-    os.replace(tmp_prefix + ".meta", prefix + ".meta")
+            try:
+                os.remove(path)
+            except OSError:
+                pass  # the next start removes it (remove_stale_temporaries)
+        raise CheckpointWriteError.of(prefix, exc) from None
 
 
 TMP_MARK = ".tmp-"  # <prefix>.tmp-<pid>.*: a bundle being written by process <pid>
@@ -76,7 +77,27 @@ class NonFiniteModel(RuntimeError):
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (e.g. the disk is full); names the path and free space."""
+    """A checkpoint could not be written; one line naming the path, the free space there and why.
+    ``status`` is the exit status it ends the run with (:func:`returnn_tpu.errors.write_failure_status`)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+    @classmethod
+    def of(cls, prefix: str, exc: BaseException) -> "CheckpointWriteError":
+        """The error for ``exc`` (an ``OSError``, or TensorFlow's error of its save op) while
+        ``prefix`` was written."""
+        folder = os.path.dirname(os.path.abspath(prefix))
+        try:
+            free = f"{shutil.disk_usage(folder).free / 1e6:.1f} MB free there"
+        except OSError:
+            free = "its folder not readable"
+        # TensorFlow's "{{function_node ...}} <temporary file>; No space left on device [Op:SaveV2]"
+        reason = re.sub(r"^\{\{.*?\}\}\s*|\s*\[Op:\w+\]$", "", _first_line(exc)).rsplit("; ", 1)[-1]
+        if isinstance(exc, OSError) and exc.strerror:
+            reason = exc.strerror
+        return cls(f"could not write checkpoint {prefix} ({free}): {reason}", write_failure_status(exc))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -383,15 +404,29 @@ class RunCheckpoints:
 
     # ---- writing ------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _naming_the_last_good(self):
+        """A save's :class:`CheckpointWriteError` also says where the newest checkpoint that was
+        written is (what the same command resumes from)."""
+        try:
+            yield
+        except CheckpointWriteError as exc:
+            found = interrupted(self.model_filename, self.start_epoch())
+            last = found.prefix if found else self.newest()
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+            raise CheckpointWriteError(f"{exc}; {where}", exc.status) from None
+
     def save_initial(self):
         """RETURNN's ``save_epoch1_initial_model``: the parameters before the first update, as epoch 0."""
         if self.chief and self.config.bool("save_epoch1_initial_model", False):
-            save(self.epoch_filename(0), self.state())
+            with self._naming_the_last_good():
+                save(self.epoch_filename(0), self.state())
 
     def save_model(self):
         """RETURNN's ``task = "initialize_model"``: the model at ``model`` itself, without an epoch suffix."""
         if self.chief:
-            save(self.model_filename, self.state())
+            with self._naming_the_last_good():
+                save(self.model_filename, self.state())
 
     def save_epoch(self, epoch: int, learning_rate_control):
         """After ``epoch``'s record: its checkpoint (every ``save_interval`` epochs, and the last),
@@ -399,7 +434,8 @@ class RunCheckpoints:
         if not self.chief:
             return
         if epoch % self.save_interval == 0 or epoch == self.num_epochs:
-            save(self.epoch_filename(epoch), self.state())
+            with self._naming_the_last_good():
+                save(self.epoch_filename(epoch), self.state())
             remove_interrupted(self.model_filename)
         if self.config.bool_or_other("cleanup_old_models", None):
             cleanup_old_models(self.config, learning_rate_control)
@@ -408,8 +444,9 @@ class RunCheckpoints:
         """The combined model of ``epoch`` stopped after ``steps_done`` steps (chief writes); its prefix."""
         prefix = self.epoch_filename(epoch) + INTERRUPTED_MARK
         if self.chief:
-            save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done,
-                             num_replicas=self.num_replicas)
+            with self._naming_the_last_good():
+                save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done,
+                                 num_replicas=self.num_replicas)
         return prefix
 
     # ---- the model of the last sync, for a lost worker -------------------------------------------
@@ -436,10 +473,15 @@ class RunCheckpoints:
             if name in state:
                 state[name] = tf.cast(value, state[name].dtype)
         state["global_step"] = tf.constant(point.updates, tf.int64)  # the updates that count
-        with open(self.model_filename + ".interrupted.lock", "a") as lock:
-            fcntl.lockf(lock, fcntl.LOCK_EX)
-            written = interrupted(self.model_filename, point.epoch)
-            if not written or (written.epoch, written.steps_done) < (point.epoch, point.steps_done):
-                save_interrupted(self.model_filename, prefix, state, epoch=point.epoch, steps_done=point.steps_done,
-                                 num_replicas=self.num_replicas)
+        with self._naming_the_last_good():
+            try:
+                lock = open(self.model_filename + ".interrupted.lock", "a")
+            except OSError as exc:
+                raise CheckpointWriteError.of(prefix, exc) from None
+            with lock:
+                fcntl.lockf(lock, fcntl.LOCK_EX)
+                written = interrupted(self.model_filename, point.epoch)
+                if not written or (written.epoch, written.steps_done) < (point.epoch, point.steps_done):
+                    save_interrupted(self.model_filename, prefix, state, epoch=point.epoch,
+                                     steps_done=point.steps_done, num_replicas=self.num_replicas)
         return prefix

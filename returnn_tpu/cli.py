@@ -303,8 +303,10 @@ def _training_failure(exc: Exception, cluster) -> int:
     if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)
         return exc.status
-    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, checkpoints.CheckpointWriteError, RecordWriteError,
-                        ProducerError)):
+    if isinstance(exc, (checkpoints.CheckpointWriteError, RecordWriteError)):
+        print(f"returnn-tpu: error: {exc}", file=sys.stderr)
+        return exc.status
+    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, ProducerError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
     saved = ""

@@ -26,3 +26,16 @@ def refused_by_returnn(option: str, what: str, exc: BaseException) -> ConfigErro
 # The exit status of a run that stopped early where running the same command continues it (a lost
 # worker, the time limit): sysexits.h's EX_TEMPFAIL, "try again later".
 RESUMABLE_STATUS = 75
+
+
+def write_failure_status(exc: BaseException) -> int:
+    """The exit status of a run that could not write a file (a checkpoint, its record): 75 (run
+    the same command again) when the disk was full or failed, which a later start may find mended;
+    2 when the place cannot be written (read-only, not permitted, no such folder), which needs a
+    person. ``exc`` is an ``OSError`` or TensorFlow's error of a save op (known by its text)."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return RESUMABLE_STATUS if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO) else 2
+    text = str(exc)
+    return RESUMABLE_STATUS if any(t in text for t in ("No space left", "quota exceeded", "Input/output error")) else 2

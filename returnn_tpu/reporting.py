@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, Optional
 import numpy
 import tensorflow as tf
 
+from returnn_tpu.errors import write_failure_status
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -27,9 +29,13 @@ class RecordWriteError(RuntimeError):
     and why. The epoch's checkpoint is written after its record, so a continued run trains it again."""
 
     def __init__(self, path: str, epoch: int, exc: OSError):
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-        super().__init__(f"could not write {path} ({free / 1e6:.1f} MB free there): {exc.strerror or exc}; epoch "
+        try:
+            free = f"{shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 1e6:.1f} MB free there"
+        except OSError:
+            free = "its folder not readable"
+        super().__init__(f"could not write {path} ({free}): {exc.strerror or exc}; epoch "
                          f"{epoch} is trained again when the run is continued")
+        self.status = write_failure_status(exc)  # the exit status
 
 
 @dataclasses.dataclass

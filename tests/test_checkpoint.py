@@ -182,7 +182,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_free_space(tmp_path):
                 pass
         (tmp_path / "train.config").write_text(config_12ax(model="full/model"))
         result = run_cli(["train.config", "++num_epochs", "1"], cwd=tmp_path)
-        assert result.returncode == 1, result.stderr[-3000:]
+        assert result.returncode == 75, result.stderr[-3000:]  # a full disk: run the same command again (later)
         errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
         # The epoch's record comes before its checkpoint, and fails first.
         assert errors == [f"returnn-tpu: error: could not write {full}/metrics.jsonl (0.0 MB free there): No space "
@@ -194,6 +194,32 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_free_space(tmp_path):
         assert os.listdir(full) == ["filler"]
     finally:
         subprocess.run(["umount", str(full)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only bind mount needs root")
+def test_a_save_into_a_read_only_folder_is_one_line_naming_the_last_good_checkpoint(tmp_path):
+    """A lost worker's save of the last sync, and an epoch's save, into a folder that became
+    read-only: a CheckpointWriteError (one line: the checkpoint, why, where the last good
+    checkpoint is) with exit status 2 (a person must make the folder writable), not tracebacks."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    trainer = make_trainer(folder, NETWORK, num_epochs=1)
+    trainer.train()
+    trainer.checkpoints.synced(epoch=2, steps_done=3, updates=5)
+    # The folder seen through a read-only bind mount of itself (files the trainer holds open do not
+    # keep the new mount from being read-only).
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        for save in (lambda: trainer.checkpoints.save_after_peer_loss(None),
+                     lambda: trainer.checkpoints.save_interrupted(2, 3)):
+            with pytest.raises(checkpoints.CheckpointWriteError) as raised:
+                save()
+            assert raised.value.status == 2
+            assert str(raised.value).startswith(f"could not write checkpoint {folder}/model.002.interrupted (")
+            assert str(raised.value).endswith(f"Read-only file system; the last good checkpoint is {folder}/model.001")
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_an_epoch_continued_at_its_very_end_evaluates_and_saves_the_saved_model(tmp_path):
