@@ -24,6 +24,9 @@ from returnn_tpu.errors import RESUMABLE_STATUS
 
 NONFINITE_CHECK_STEPS = 50  # how often the device's non-finite counts are read (and, multi-worker, shared)
 STOP_CHECK_STEPS = 10  # with several workers, how often they agree whether one was asked to stop
+# The least grace (seconds from a launcher's stop signal to its SIGKILL) in which a stop at an
+# agreed step is tried: it also combines the copies and writes the checkpoint.
+AGREED_STOP_SECONDS = 10.0
 # What a collective raises when a worker is gone (dead, hung past the health check, unreachable).
 PEER_LOSS_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
 
@@ -38,11 +41,14 @@ class NonFiniteUpdate(NonFiniteScore):
 
 class Stopped(RuntimeError):
     """Training stopped at a step boundary because the process got a signal (SIGTERM, SIGINT,
-    SIGHUP; ``signum``), or before its time limit (``signum`` None)."""
+    SIGHUP; ``signum``), or before its time limit (``signum`` None). ``at_last_sync``: the worker
+    stops at once, without agreeing with the others, and saves the model of the last sync (its
+    launcher kills it too soon for an agreed stop)."""
 
-    def __init__(self, message: str, signum: Optional[int]):
+    def __init__(self, message: str, signum: Optional[int], at_last_sync: bool = False):
         super().__init__(message)
         self.signum = signum
+        self.at_last_sync = at_last_sync
 
     @property
     def status(self) -> int:
@@ -100,16 +106,23 @@ class NonFiniteMonitor:
 
 class StopRequest:
     """A stop signal (SIGTERM, SIGINT, SIGHUP), or a time limit, held until a step boundary; with
-    several workers, they agree every ``STOP_CHECK_STEPS`` steps whether any is to stop.
+    several workers, they agree every ``STOP_CHECK_STEPS`` steps whether any is to stop, and why.
 
     ``stop_at``: the ``time.perf_counter()`` at which the run stops for its time limit (None: none).
+    ``kill_grace``: the seconds the launcher gives between its stop signal and SIGKILL, where known
+    (``mpirun``'s, :func:`returnn_tpu.cluster.mpi.mpirun_kill_grace`). A worker of several that
+    gets a signal when that is shorter than :data:`AGREED_STOP_SECONDS`, or when the next agreement
+    is further away than half of it, stops at once and saves the model of the last sync, which
+    every worker holds (docs/faults.md).
     """
 
-    def __init__(self, workers, num_workers: int, log, stop_at: Optional[float] = None):
+    def __init__(self, workers, num_workers: int, log, stop_at: Optional[float] = None,
+                 kill_grace: Optional[float] = None):
         self.workers = workers
         self.num_workers = num_workers
         self.log = log
         self.stop_at = stop_at
+        self.kill_grace = kill_grace
         self.signum: Optional[int] = None
 
     def handle(self, signum: int, _frame=None):
@@ -121,15 +134,29 @@ class StopRequest:
         self.signum = signum
         print(f"returnn-tpu: got signal {signum}; stopping at the next step boundary", file=self.log.v1)
 
-    def due(self, step: int) -> Optional[Stopped]:
-        """Before step ``step``: why the run stops here (a :class:`Stopped` without its message; a
-        peer's signal counts as SIGTERM), or None."""
+    def due(self, step: int, step_seconds: float = 0.0) -> Optional[Stopped]:
+        """Before step ``step`` (steps take ``step_seconds``): why the run stops here (a
+        :class:`Stopped` without its message), or None. With several workers, the cause is the
+        first worker's that has one: a signal (also one that only another worker got), or the time
+        limit."""
         late = self.stop_at is not None and time.perf_counter() >= self.stop_at
+        own = self.signum or (_TIME_LIMIT if late else 0)
         if self.num_workers > 1:
-            if step % STOP_CHECK_STEPS or not self.workers.any(self.signum is not None or late):
+            if self.signum is not None and self.kill_grace is not None and (
+                    self.kill_grace < AGREED_STOP_SECONDS or -step % STOP_CHECK_STEPS * step_seconds > self.kill_grace / 2):
+                return Stopped(f"stopped by signal {self.signum}", self.signum, at_last_sync=True)
+            if step % STOP_CHECK_STEPS:
                 return None
-        elif self.signum is None and not late:
+            causes = self.workers.all_workers(own)
+            cause = next((c for c in causes if c), 0)
+            by = "" if own else f" (sent to worker {causes.index(cause)})"
+        else:
+            cause, by = own, ""
+        if not cause:
             return None
-        if self.signum is None and late:
+        if cause == _TIME_LIMIT:
             return Stopped("stopped before the time limit (distribute_options['time_limit'])", None)
-        return Stopped(f"stopped by signal {self.signum or signal.SIGTERM}", self.signum or signal.SIGTERM)
+        return Stopped(f"stopped by signal {cause}{by}", cause)
+
+
+_TIME_LIMIT = -1  # the cause of a stop that is the time limit, where others are signal numbers

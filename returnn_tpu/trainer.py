@@ -21,6 +21,7 @@ import numpy
 import returnn_tpu
 from returnn_tpu import checkpoints, xla
 from returnn_tpu.cluster import Cluster
+from returnn_tpu.cluster.mpi import mpirun_kill_grace
 from returnn_tpu.current_network import CurrentNetwork
 from returnn_tpu.epochs import EpochData
 from returnn_tpu.errors import ConfigError
@@ -95,7 +96,8 @@ class Trainer:
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
         stop_at = (returnn_tpu.STARTED + options.time_limit - options.stop_before_time_limit
                    if options.time_limit else None)
-        self.stop_request = StopRequest(self.workers, self.cluster.num_workers, log, stop_at)  # cli.py: its handler
+        self.stop_request = StopRequest(self.workers, self.cluster.num_workers, log, stop_at,  # cli.py: its handler
+                                        kill_grace=mpirun_kill_grace(os.environ))
         self.nonfinite = NonFiniteMonitor(self.workers, skip=options.skip_nonfinite_steps,
                                           num_workers=self.cluster.num_workers, log=log)
         self._stepped = False  # whether this process has made a train step
@@ -298,10 +300,17 @@ class Trainer:
         """Before step ``step``: if a stop signal is due on any worker
         (:class:`returnn_tpu.faults.StopRequest`), combines the copies, has the chief write the
         interrupted epoch's checkpoint and raises :class:`Stopped`. Resume continues the epoch at this step."""
-        stop = self.stop_request.due(step)
+        stop = self.stop_request.due(step, stats.step_seconds / stats.steps if stats.steps else 0.0)
         if stop is None:
             return
         where = f"{stop} in {self.epoch_name(epoch)} before step {step + 1}"
+        if stop.at_last_sync and self.network.built:  # no time to agree: every worker has the last sync's model
+            point = self.checkpoints.last_sync
+            prefix = self.checkpoints.save_after_peer_loss(self.syncs.synced_model())
+            raise Stopped(f"{where}; the model of the last sync is in {prefix}: run the same command to continue "
+                          f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}" if prefix else
+                          f"{where}; nothing was trained since the newest checkpoint: run the same command to resume",
+                          stop.signum)
         previous = self.checkpoints.epoch_filename(epoch - 1) if epoch > 1 else None
         if not self.network.built or (step == 0 and previous and os.path.exists(previous + ".index")):
             raise Stopped(f"{where}; nothing was trained since the newest checkpoint: run the same command to "

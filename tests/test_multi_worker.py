@@ -150,6 +150,42 @@ def test_a_refusal_on_one_worker_ends_the_whole_job_with_status_2(tmp_path, laun
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
+def test_sigterm_to_mpirun_saves_the_last_sync_within_its_grace(tmp_path):
+    """SIGTERM to ``mpirun -np 2`` (as ``qdel`` or a preemption sends it) mid-epoch, with a sync
+    every 10 updates: ``mpirun`` forwards it and SIGKILLs the ranks about 1 s later, too soon to
+    agree on a step; the ranks save the model of the last sync at once and say so, and the same
+    command continues the epoch after that sync."""
+    import signal
+
+    write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=1,
+                 options={**SYNC_EVERY_10, "cluster_resolver": "mpi", "startup_timeout": 120})
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
+               "train.config"]
+    job = subprocess.Popen(command + ["++log_verbosity", "5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    for line in job.stdout:
+        if line.startswith("[1,0]<stdout>:train epoch 1, step 25,"):
+            break
+        assert time.time() < deadline, "no step 25 within 300 s"
+    job.send_signal(signal.SIGTERM)
+    stopped = time.time()
+    output, _ = job.communicate(timeout=120)
+    print(f"SIGTERM to mpirun: it ended after {time.time() - stopped:.1f} s, status {job.returncode}")
+    said = re.search(r"stopped by signal 15 in epoch 1 before step \d+; the model of the last sync is in "
+                     r"out/model.001.interrupted: run the same command to continue epoch 1 at step (\d+)", output)
+    assert said, output[-3000:]
+    found = checkpoints.interrupted(str(tmp_path / "out" / "model"), 1)
+    assert found and found.steps_done % 10 == 0 and found.steps_done + 1 == int(said.group(1)), found
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"start training at epoch 1, step {found.steps_done + 1} (interrupted there)" in resumed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
 def test_kill_9_of_an_mpi_rank_costs_at_most_one_sync_period(tmp_path):
     """kill -9 of rank 1 under ``mpirun -np 2`` between two syncs (after updates 10 and 20; rank 0
     has logged step 13): the job ends non-zero within a bound, naming the lost rank; rank 0 saved
@@ -510,6 +546,23 @@ def test_max_restarts_resumes_the_job_after_a_lost_worker(tmp_path):
     assert "restarting all 2 workers from the newest checkpoint in 10 s (1 of 1 restarts)" in output
     assert "start training at epoch 1, step 11 (interrupted there)" in output, output[-3000:]  # 12+ done, 10 kept
     assert os.path.exists(tmp_path / "out" / "model.002.index")
+
+
+@pytest.mark.slow
+def test_every_worker_names_the_cause_of_a_stop(tmp_path):
+    """Worker 0 reaches its time limit first (worker 1's is far away): both stop at the same step
+    for the time limit, with its status 75; worker 1 does not call it a signal."""
+    from conftest import Code, config_12ax
+
+    options = Code('{"param_sync_step": 3, "startup_timeout": 120, "time_limit": 30 if _worker == 0 else 3000, '
+                   '"stop_before_time_limit": 10}')
+    (tmp_path / "train.config").write_text(config_12ax(
+        WORKER_INDEX, train={"class": "Task12AXDataset", "num_seqs": 300}, num_epochs=100, distribute_options=options))
+    result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
+    assert result.returncode == 75, result.stdout[-3000:]
+    stops = [line for line in result.stdout.splitlines() if "returnn-tpu: stopped" in line]
+    assert len(stops) == 2 and all("stopped before the time limit" in line for line in stops), stops
+    assert "signal" not in " ".join(stops)
 
 
 FAILING_DATASET = """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Mapping
+from typing import Mapping, Optional
 
 import tensorflow as tf
 
@@ -21,6 +21,20 @@ MAX_PORT_ATTEMPTS = 8
 def started_by_mpirun(environ: Mapping[str, str]) -> bool:
     """Whether Open MPI's or MPICH's (Hydra, PMI) launcher started this process."""
     return any(key in environ for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALRANKID"))
+
+
+def mpirun_kill_grace(environ: Mapping[str, str]) -> Optional[float]:
+    """Under ``mpirun``, the seconds between the stop signal it forwards to the ranks (its own
+    SIGTERM, SGE's ``qdel``) and its SIGKILL: Open MPI's ``odls_base_sigkill_timeout`` (default
+    1 s; ``mpirun --mca odls_base_sigkill_timeout 60`` or ``OMPI_MCA_odls_base_sigkill_timeout``
+    gives more), taken as 1 s under other MPIs; None when ``mpirun`` did not start this process
+    (FACTS.md, "MPI")."""
+    if not started_by_mpirun(environ):
+        return None
+    try:
+        return float(environ.get("OMPI_MCA_odls_base_sigkill_timeout", 1))
+    except ValueError:
+        return 1.0
 
 
 def local_rank(environ: Mapping[str, str]) -> int:
