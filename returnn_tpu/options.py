@@ -38,23 +38,27 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"distribute_options[{name!r}] must be a number of seconds > 0, got {value!r}")
+def _positive_number(name: str, value: Any, what: str = "a number of seconds") -> float:
+    """``value`` of ``distribute_options[name]`` (``name`` may be a path: ``"a']['b"``), a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigError(f"distribute_options['{name}'] must be {what} > 0, got {value!r}")
     return float(value)
 
 
 def _seconds(name: str, value: Any) -> float:
-    """A duration as SGE and SLURM write one (``"H:MM:SS"``, ``"MM:SS"``) or a number of seconds."""
+    """A duration as SGE and SLURM write one (``"H:MM:SS"``, ``"MM:SS"``; minutes and seconds
+    below 60) or a number of seconds."""
     if isinstance(value, str):
         parts = value.split(":")
-        if 1 <= len(parts) <= 3 and all(part.isdigit() for part in parts):
+        if 1 <= len(parts) <= 3 and all(part.isdigit() for part in parts) and \
+                all(int(part) < 60 for part in parts[1:]):
             seconds = 0
             for part in parts:
                 seconds = seconds * 60 + int(part)
             if seconds > 0:
                 return float(seconds)
-        raise ConfigError(f"distribute_options[{name!r}] must be seconds > 0 or 'H:MM:SS', got {value!r}")
+        raise ConfigError(f"distribute_options[{name!r}] must be seconds > 0 or 'H:MM:SS' (minutes and seconds "
+                          f"below 60), got {value!r}")
     return _positive_number(name, value)
 
 
@@ -198,6 +202,9 @@ class DistributeOptions:
         if "stop_before_time_limit" in options:
             kwargs["stop_before_time_limit"] = _positive_number("stop_before_time_limit",
                                                                 options["stop_before_time_limit"])
+        if "stop_before_time_limit" in options and options.get("time_limit") is None:
+            raise ConfigError("distribute_options['stop_before_time_limit'] needs 'time_limit' (the job's run-time "
+                              "limit, e.g. '4:00:00'); without it nothing stops before a limit")
         margin = kwargs.get("stop_before_time_limit", cls.stop_before_time_limit)
         if kwargs.get("time_limit") is not None and margin >= kwargs["time_limit"]:
             raise ConfigError(f"distribute_options['stop_before_time_limit'] ({margin:g} s) must be less than "
@@ -233,7 +240,7 @@ def _outer_optimizer(value: Any) -> Optional[dict]:
         raise ConfigError(f"distribute_options[{name!r}] has unknown key {unknown[0]!r}; valid: 'class', "
                           "'learning_rate', 'momentum'")
     if "learning_rate" in value:
-        _positive_number(f"{name}']['learning_rate", value["learning_rate"])
+        _positive_number(f"{name}']['learning_rate", value["learning_rate"], what="a number")
     momentum = value.get("momentum", 0.0)
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise ConfigError(f"distribute_options[{name!r}]['momentum'] must be a number in [0, 1), got {momentum!r}")

@@ -281,6 +281,29 @@ class EpochReport:
             raise RecordWriteError(self.metrics_path, epoch, exc) from None
         self._summaries(epoch, scores, dev_results, stats, learning_rate, global_step)
 
+    def changes_since_the_last_run(self) -> List[str]:
+        """What a resumed run changes against the newest epoch in ``metrics.jsonl`` that a user
+        should hear of: the number of workers or replicas (the epoch's data is dealt anew, the
+        steps per epoch change) and the distribute options (e.g. ``sync_dtype``: another rounding
+        of the syncs, residuals of the old one dropped)."""
+        try:
+            with open(self.metrics_path) as f:
+                last = json.loads([line for line in f.read().splitlines() if line.strip()][-1])
+        except (OSError, IndexError, ValueError):
+            return []  # no earlier run (or its record unreadable: nothing to compare)
+        notes = []
+        for key in ("strategy", "num_workers", "num_replicas"):
+            if key in last and last[key] != self.static_fields.get(key):
+                notes.append(f"resuming with {key} {self.static_fields.get(key)!r}; epoch {last['epoch']} was trained "
+                             f"with {last[key]!r}")
+        before = last.get("distribute_options") or {}
+        now = json.loads(json.dumps(self.static_fields.get("distribute_options") or {}))  # as recorded: lists
+        for key in sorted(set(before) | set(now)):
+            if key not in ("num_replicas", "time_limit", "stop_before_time_limit") and before.get(key) != now.get(key):
+                notes.append(f"resuming with distribute_options[{key!r}] = {now.get(key)!r}; epoch {last['epoch']} "
+                             f"was trained with {before.get(key)!r}")
+        return notes
+
     def _write_metrics(self, epoch: int, line: str):
         """Appends ``line``; records of this epoch or later (of an epoch trained again because its
         checkpoint was not written) are replaced, atomically, so each epoch has one record."""

@@ -187,7 +187,7 @@ class Trainer:
         """What a user should know before the first step: the options in force, and what the syncs
         and the epoch's data say (a local SGD of one replica, settings known to overshoot, what an
         epoch is with several replicas)."""
-        return ([f"distribute_options in force: {self.options.in_force()}"]
+        return ([f"distribute_options in force: {self.options.in_force()}"] + self.report.changes_since_the_last_run()
                 + self.syncs.start_notes(self.options.strategy, self.steps.num_replicas) + self.data.start_notes())
 
     def initialize_model(self):
@@ -304,6 +304,12 @@ class Trainer:
         if stop is None:
             return
         where = f"{stop} in {self.epoch_name(epoch)} before step {step + 1}"
+        if stop.signum is None and not self._stepped:  # each resubmission would do the same: no progress ever
+            raise ConfigError(
+                f"distribute_options['time_limit']: the run reached its stop before the time limit "
+                f"({self.options.time_limit:g} s minus stop_before_time_limit {self.options.stop_before_time_limit:g} s) "
+                f"after {time.perf_counter() - returnn_tpu.STARTED:.0f} s, before its first step; give the job more "
+                "time, or a smaller stop_before_time_limit")
         if stop.at_last_sync and self.network.built:  # no time to agree: every worker has the last sync's model
             point = self.checkpoints.last_sync
             prefix = self.checkpoints.save_after_peer_loss(self.syncs.synced_model())

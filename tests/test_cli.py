@@ -182,13 +182,17 @@ LATE_BAD_INPUT = [  # found once TensorFlow or the datasets are up: still status
     ('dev = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 10},\n'
      '       "map_seq": lambda x, **_: x}\nbatching = "random"', {},
      "dev: RETURNN cannot build its PostprocessingDataset from the config: ValueError: "),
+    # A time limit that start-up uses up: each resubmission would stop before its first step again.
+    ('distribute_options = {"time_limit": 10, "stop_before_time_limit": 9.5}', {},
+     "distribute_options['time_limit']: the run reached its stop before the time limit (10 s minus "
+     "stop_before_time_limit 9.5 s) after"),
 ]
 
 
 @pytest.mark.parametrize("line,env,message", LATE_BAD_INPUT,
                          ids=["num_inputs", "no_mpi_library", "no_train_seqs", "no_dev_seqs", "no_hdf_file",
                               "missing_layer", "garbage_lr_file", "dim_string", "layer_class_object",
-                              "postprocessing_dev"])
+                              "postprocessing_dev", "time_limit_used_by_start_up"])
 def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
     config = config_12ax(num_inputs=None) if line.startswith("num_inputs") else config_12ax()
     (tmp_path / "train.config").write_text(config + line + "\nlog = 'out/train.log'\n")
@@ -199,6 +203,20 @@ def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
     assert "Traceback" not in result.stderr
     assert sorted(os.listdir(tmp_path)) == sorted(["train.config"] + (["garbage.txt"] if "garbage" in line else []))
     # (the log it had begun is removed)
+
+
+def test_a_resumed_run_says_what_it_changes(tmp_path):
+    """Resumed with another number of replicas and another sync_dtype than the newest epoch was
+    trained with: a line for each."""
+    (tmp_path / "train.config").write_text(config_12ax(num_epochs=2))
+    first = run_cli(["train.config", "++num_epochs", "1", "++distribute_options", "{'num_replicas': 2}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_cli(["train.config", "++distribute_options", "{'num_replicas': 1, 'sync_dtype': 'bfloat16'}"],
+                    cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "returnn-tpu: resuming with num_replicas 1; epoch 1 was trained with 2" in again.stdout
+    assert "returnn-tpu: resuming with distribute_options['sync_dtype'] = 'bfloat16'; epoch 1 was trained with " \
+           "'float32'" in again.stdout, again.stdout[-3000:]
 
 
 CONFIG_DEFINED_OBJECTS = """
