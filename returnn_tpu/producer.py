@@ -115,6 +115,7 @@ class DataProducer:
         self._process = context.Process(target=_serve, args=(setup, commands_end, self._results),
                                         name="returnn_tpu data producer", daemon=False)
         self._process.start()
+        self._names_dropped = False
         atexit.register(self.close)
 
     @property
@@ -183,6 +184,9 @@ class DataProducer:
                     print(f"returnn-tpu: waiting {waited:.0f} s for the data producer (pid {self.pid}): {what}",
                           file=sys.stderr, flush=True)
                 continue
+            if not self._names_dropped:  # the producer runs: it has opened the queue's semaphores
+                drop_semaphore_names(self._results)
+                self._names_dropped = True
             if message[0] == "error":
                 raise_error(message, f"data producer (pid {self.pid})")
             return message
@@ -202,6 +206,22 @@ class DataProducer:
                 self.discard(message)
         for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # made, not yet handed over
             os.remove(path)
+
+
+def drop_semaphore_names(results) -> None:
+    """Unlinks the names of a spawn-context queue's POSIX semaphores (``/dev/shm/sem.mp-*``), once
+    every process that uses it has opened them. They are named only so that a spawned child can
+    open them; multiprocessing unlinks them at exit (a finalizer per lock, and its resource
+    tracker), but not when a SIGKILL (``mpirun`` ending a job) takes the tracker too, and they
+    stayed behind (FACTS.md, "Semaphores of multiprocessing"). Here those finalizers run now; open
+    handles keep working, as an unlinked file's do."""
+    from multiprocessing import synchronize, util
+
+    locks = (results._rlock, results._wlock, results._sem)  # noqa: SLF001 (CPython's Queue)
+    names = {lock._semlock.name for lock in locks if lock is not None and lock._semlock.name}
+    for finalizer in list(util._finalizer_registry.values()):  # noqa: SLF001 (multiprocessing's own clean-up)
+        if finalizer._callback is synchronize.SemLock._cleanup and finalizer._args[0] in names:
+            finalizer()  # unlinks the name, tells the tracker, and is not run again
 
 
 class ProducedEpoch:

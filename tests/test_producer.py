@@ -61,6 +61,11 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
     shard = distribution == "shard"
     producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution=distribution,
                             prefetch=2)
+    # The queue's semaphores are named (a spawned child opens them by name) until the producer
+    # runs; then the names go, so that no SIGKILL can leave them in /dev/shm.
+    names = [lock._semlock.name for lock in (producer._results._rlock, producer._results._wlock,
+                                             producer._results._sem)]
+    assert all(os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}") for name in names), names
     try:
         for epoch in (1, 2):
             request = dict(epoch=epoch, batching=batching, data_keys=["classes", "data"], recurrent=True, train=True,
@@ -68,6 +73,7 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
             expected = _in_process(config, extern_data, distribution, request)
             expected_counters = batching.take_counters()
             produced_epoch = producer.epoch(**request, templates=_templates(extern_data))
+            assert not any(os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}") for name in names)
             produced = list(produced_epoch.steps())
             assert len(expected) > 3
             assert len(produced) == len(expected)
