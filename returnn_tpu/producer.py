@@ -105,7 +105,13 @@ class DataProducer:
         remove_stale_blocks()
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs TensorFlow
         self._commands, commands_end = context.Pipe()
-        self._results = context.Queue(maxsize=prefetch)
+        try:
+            self._results = context.Queue(maxsize=prefetch)  # named semaphores in /dev/shm
+        except OSError as exc:
+            free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+            raise ProducerError(f"cannot make the data producer's queue in /dev/shm ({free / 1e3:.0f} kB free there): "
+                                f"{exc.strerror or exc}; make /dev/shm larger (docker: --shm-size), or set "
+                                "distribute_options['data_producer'] = 'thread'") from None
         setup = dict(config_filename=config_filename, overrides=list(overrides), dataset_key=dataset_key,
                      num_replicas=num_replicas, first_replica=first_replica, distribution=distribution,
                      all_replicas=all_replicas, serve=serve)

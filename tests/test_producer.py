@@ -3,8 +3,11 @@ bit; every sequence once per epoch across replicas (shard); its failure and deat
 
 import os
 import re
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -252,3 +255,22 @@ def test_a_slow_dataset_streams_its_first_step_and_sigterm_saves_it(tmp_path):
     assert "the combined model is in" in stderr and "run the same command to continue epoch 1" in stderr, \
         stderr[-3000:]
     assert os.path.exists(tmp_path / "out" / "model.001.interrupted.index")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a full /dev/shm of its own needs root and unshare")
+def test_a_full_dev_shm_is_one_line(tmp_path):
+    """/dev/shm with no room (8 kB, full) for the producer's queue: one line naming it and what to
+    do, not multiprocessing's traceback."""
+    from conftest import REPO, config_12ax
+
+    (tmp_path / "train.config").write_text(config_12ax())
+    script = ("mount -t tmpfs -o size=8k tmpfs /dev/shm && dd if=/dev/zero of=/dev/shm/fill bs=1k count=8 2>/dev/null; "
+              f"exec {sys.executable} -m returnn_tpu.cli train.config")
+    result = subprocess.run(["unshare", "--mount", "sh", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors == ["returnn-tpu: error: cannot make the data producer's queue in /dev/shm (0 kB free there): No "
+                      "space left on device; make /dev/shm larger (docker: --shm-size), or set "
+                      "distribute_options['data_producer'] = 'thread'"], errors
