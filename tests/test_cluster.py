@@ -41,6 +41,8 @@ def test_taken_port_is_skipped():
         assert not port_is_free(first)
         chosen = choose_port(first)
         assert chosen != first and port_is_free(chosen)
+        # Not the next local rank's port (first + 1), which that rank checks at the same time.
+        assert (chosen - first) % 64 == 0
     assert choose_port(first, attempt=1) >= first + 64  # re-agreement moves to another block
 
 

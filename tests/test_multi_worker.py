@@ -150,6 +150,32 @@ def test_a_refusal_on_one_worker_ends_the_whole_job_with_status_2(tmp_path, laun
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
+def test_ten_mpirun_starts_under_load_all_reach_their_first_steps(tmp_path):
+    """10 starts of ``mpirun -np 2`` one after the other, as a job script's loop makes them (one
+    SGE job id: the same ports each time, right after the last start let them go), with two
+    busy processes beside them on this 2-core machine: every start reaches step 1."""
+    write_config(tmp_path / "train.config", num_seqs="20", num_epochs=1,
+                 options={"param_sync_step": 3, "cluster_resolver": "mpi", "startup_timeout": 120})
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", JOB_ID="4711",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for start in range(10):
+            shutil.rmtree(tmp_path / "out", ignore_errors=True)
+            began = time.time()
+            result = subprocess.run(["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m",
+                                     "returnn_tpu.cli", "train.config", "++log_verbosity", "5"],
+                                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            print(f"start {start + 1}: status {result.returncode} after {time.time() - began:.1f} s")
+            assert result.returncode == 0 and "[1,0]<stdout>:train epoch 1, step 1," in result.stdout, \
+                f"start {start + 1}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    finally:
+        for process in load:
+            process.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
 def test_sigterm_to_mpirun_saves_the_last_sync_within_its_grace(tmp_path):
     """SIGTERM to ``mpirun -np 2`` (as ``qdel`` or a preemption sends it) mid-epoch, with a sync
     every 10 updates: ``mpirun`` forwards it and SIGKILLs the ranks about 1 s later, too soon to

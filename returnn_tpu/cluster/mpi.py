@@ -83,8 +83,9 @@ def mpi_cluster_resolver(environ: Mapping[str, str] = os.environ):
         except RuntimeError:
             port, ok = 0, False
         peers = comm.allgather((host, port, ok))
-        if all(peer_ok for _, _, peer_ok in peers):
-            break
+        addresses = [(peer_host, peer_port) for peer_host, peer_port, _ in peers]
+        if all(peer_ok for _, _, peer_ok in peers) and len(set(addresses)) == len(addresses):
+            break  # (two ranks of one host on one port would be one server: agree again)
     else:
         raise RuntimeError(f"MPI ranks found no free ports after {MAX_PORT_ATTEMPTS} attempts: {peers}")
     workers = [f"{peer_host}:{peer_port}" for peer_host, peer_port, _ in peers]

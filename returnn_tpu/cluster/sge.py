@@ -78,13 +78,15 @@ def port_is_free(port: int, host: str = "") -> bool:
 
 
 def choose_port(first: int, attempt: int = 0) -> int:
-    """The first free port at or after ``first`` (skipping ``attempt`` * 64, see re-agreement)."""
+    """The first free port at or after ``first`` (skipping ``attempt`` blocks, see re-agreement)
+    among those of ``first``'s local rank: in steps of 64, so that a rank whose port is taken
+    never moves onto the port of the local rank after it (which checks its own at the same time)."""
     low, high = PORT_RANGE
     port = first + attempt * 64
-    for _ in range(high - low):
+    for _ in range((high - low) // 64):
         if port >= high:
             port = low + (port - low) % (high - low)
         if port_is_free(port):
             return port
-        port += 1
-    raise RuntimeError(f"no free TCP port in {low}..{high}")
+        port += 64
+    raise RuntimeError(f"no free TCP port in {low}..{high} for local rank {(first - low) % 64}")
