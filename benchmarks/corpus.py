@@ -139,7 +139,12 @@ def main():
         write_tiny_corpus(args.corpus_dir)
     corpus_dir = args.corpus_dir or fetch(args.out)
     stats = prepare(corpus_dir, args.out, args.vocab_size)
-    print(f"prepared {args.out}: {json.dumps(stats)}")
+    print(f"prepared {args.out}: {stats['vocab_words']} words and {stats['vocab_chars']} characters in the "
+          f"vocabularies, dev out-of-vocabulary rate {stats['dev_oov_rate']}")
+    print("part    files  sentences      words  characters")
+    for part in ("train", "dev", "test"):
+        p = stats[part]
+        print(f"{part:6} {p['files']:6} {p['sentences']:10} {p['words']:10} {p['characters']:11}")
 
 
 if __name__ == "__main__":

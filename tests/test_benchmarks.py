@@ -13,10 +13,12 @@ TINY_CONFIG = os.path.join(REPO, "tests", "configs", "old_style_12ax.config")
 
 RUNS = {
     "chaos.py": ["--smoke"],
+    "corpus.py": ["--smoke"],
     "data_pipeline.py": ["--smoke"],
     "data_scale.py": ["--smoke"],
     "epoch_time.py": [TINY_CONFIG, "--smoke"],
     "local_sgd_quality.py": ["--smoke"],
+    "lm_quality.py": ["--smoke"],
     "memory.py": [TINY_CONFIG],
     "multi_worker.py": ["--smoke"],
     "overhead.py": ["--smoke"],

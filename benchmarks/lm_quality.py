@@ -1,0 +1,224 @@
+"""Local SGD's quality on real text: the DiLoCo table, with RETURNN on the Brown corpus.
+
+Every row trains ``benchmarks/configs/brown_lm.config`` (a character-level LSTM LM, Adam with
+newbob; corpus from ``benchmarks/corpus.py``) on the same sequences: one pass over the training
+text in 5 sub-epochs, ``dataset_distribution = "shard"`` (the 4 replicas of a step take the next 4
+batches of the one order plain RETURNN walks through alone), so rows differ only in how replicas
+are combined. Rows:
+
+* ``plain``: plain RETURNN (``python -m returnn``), one device;
+* ``sync_4``: ``mirrored``, 4 replicas (synchronous);
+* ``local_sgd_N`` for N = 4, 16, 64;
+* ``diloco_N_paper`` (outer Nesterov 0.7 / momentum 0.9) and ``diloco_N`` (0.7 / 0.5, docs/local_sgd.md's
+  recommendation) for N = 16, 64;
+* ``diloco_64_fragments`` (4 fragments, ``sync_delay`` 2), ``diloco_64_int8``,
+  ``diloco_64_int4`` and ``diloco_64_int4_no_ef`` (error feedback off).
+
+``sync_4``, ``diloco_64`` and ``diloco_64_int4`` run with 3 seeds (``random_seed``: the
+initialization), the others with 1. For each run: dev and test perplexity per character (the
+config evaluates both after every sub-epoch), bits per character, the bytes handed to the
+collectives per update (``metrics.jsonl``) and updates per second. Each finished run is a JSON
+file in ``--out``/runs; a second start skips those (resume per row). At the end: ``table.md``,
+``runs.json`` and two plots (dev perplexity against updates, and against bytes sent).
+
+    python benchmarks/corpus.py                      # once: fetch and prepare the corpus
+    python benchmarks/lm_quality.py [--out lm_quality] [--only sync_4 diloco_64] [--seeds 3]
+
+``--smoke`` runs two rows for a few steps on a tiny corpus of its own (the test of this code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "benchmarks", "configs", "brown_lm.config")
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import corpus  # noqa: E402  (benchmarks/corpus.py)
+
+REPLICAS = 4
+PAPER = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9}
+RECOMMENDED = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}
+SEEDED_ROWS = ("sync_4", "diloco_64", "diloco_64_int4")
+
+
+def rows() -> Dict[str, Optional[dict]]:
+    """Row name -> returnn-tpu's distribute options (None: plain RETURNN)."""
+    local = {"num_replicas": REPLICAS, "dataset_distribution": "shard"}
+    table: Dict[str, Optional[dict]] = {"plain": None, "sync_4": dict(local)}
+    for n in (4, 16, 64):
+        table[f"local_sgd_{n}"] = dict(local, param_sync_step=n)
+    for n in (16, 64):
+        table[f"diloco_{n}_paper"] = dict(local, param_sync_step=n, outer_optimizer=PAPER)
+        table[f"diloco_{n}"] = dict(local, param_sync_step=n, outer_optimizer=RECOMMENDED)
+    diloco_64 = table["diloco_64"]
+    table["diloco_64_fragments"] = dict(diloco_64, sync_fragments=4, sync_delay=2)
+    table["diloco_64_int8"] = dict(diloco_64, sync_dtype="int8")
+    table["diloco_64_int4"] = dict(diloco_64, sync_dtype="int4")
+    table["diloco_64_int4_no_ef"] = dict(diloco_64, sync_dtype="int4", sync_error_feedback=False)
+    return table
+
+
+def command(name: str, options: Optional[dict], seed: int, extra: List[str]) -> List[str]:
+    settings = ["++random_seed", str(seed), *extra]
+    if options is None:
+        return [sys.executable, "-m", "returnn", CONFIG, *settings]
+    strategy = "mirrored" if name.startswith("sync") else "local_sgd"
+    return [sys.executable, "-m", "returnn_tpu.cli", CONFIG, *settings, "++distribute_strategy", strategy,
+            "++distribute_options", repr(options)]
+
+
+def run(name: str, options: Optional[dict], seed: int, corpus_dir: str, folder: str, extra: List[str]) -> dict:
+    """Trains one row in ``folder``; its figures (raises SystemExit naming it if it fails)."""
+    from returnn.learning_rate_control import LearningRateControl
+
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(os.path.join(folder, "out"))
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", DISABLE_CUDA="1", BROWN_LM_CORPUS=corpus_dir)
+    start = time.time()
+    with open(os.path.join(folder, "log.txt"), "w") as log:
+        status = subprocess.run(command(name, options, seed, extra), cwd=folder, env=env, stdout=log,
+                                stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        raise SystemExit(f"lm_quality.py: {name} (seed {seed}) failed with status {status}; see {folder}/log.txt")
+    control = LearningRateControl(default_learning_rate=1.0, filename=os.path.join(folder, "out", "learning_rates"))
+    epochs = sorted(control.epoch_data)
+    metrics = []
+    if os.path.exists(os.path.join(folder, "out", "metrics.jsonl")):
+        with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
+            metrics = [json.loads(line) for line in f if line.strip()]
+    updates, curve = 0, []
+    for epoch in epochs:
+        data = control.epoch_data[epoch]
+        updates += int(data.meta.get("epoch_num_train_steps", 0))
+        bytes_sent = sum(m["sync_bytes"] for m in metrics if m["epoch"] <= epoch)  # syncs, or gradients
+        curve.append({"epoch": epoch, "updates": updates, "bytes": bytes_sent,
+                      "dev_ppl": math.exp(_score(data.error, "dev")), "test_ppl": math.exp(_score(data.error, "eval"))})
+    train_seconds = sum(float(control.epoch_data[e].meta.get("epoch_train_time_secs", 0)) for e in epochs)
+    last = curve[-1]
+    return {"row": name, "seed": seed, "options": options, "dev_ppl": last["dev_ppl"], "test_ppl": last["test_ppl"],
+            "dev_bpc": math.log2(last["dev_ppl"]), "test_bpc": math.log2(last["test_ppl"]), "updates": updates,
+            "bytes_per_update": last["bytes"] / max(1, updates),
+            "updates_per_second": updates / train_seconds if train_seconds else None,
+            "wall_seconds": time.time() - start, "curve": curve}
+
+
+def _score(errors: Dict[str, float], dataset: str) -> float:
+    """The dataset's score (nats per character) in a learning-rate file's entry: ``dev_score``, or
+    ``dev_score_output`` where RETURNN names the loss's layer."""
+    return next(value for key, value in sorted(errors.items()) if key.startswith(f"{dataset}_score"))
+
+
+def table(results: List[dict]) -> str:
+    """The markdown table: per row the mean (and each seed's) dev and test perplexity, relative
+    to ``sync_4``'s mean, bytes per update and updates per second."""
+    by_row: Dict[str, List[dict]] = {}
+    for result in results:
+        by_row.setdefault(result["row"], []).append(result)
+    reference = by_row.get("sync_4")
+    ref_dev = sum(r["dev_ppl"] for r in reference) / len(reference) if reference else None
+    lines = ["| row | dev ppl (seeds) | vs sync_4 | test ppl | dev bpc | bytes / update | updates / s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in rows():
+        runs = by_row.get(name)
+        if not runs:
+            continue
+        dev = sum(r["dev_ppl"] for r in runs) / len(runs)
+        test = sum(r["test_ppl"] for r in runs) / len(runs)
+        each = " ".join(f"{r['dev_ppl']:.3f}" for r in runs)
+        seeds = f" ({each})" if len(runs) > 1 else ""
+        relative = f"{100 * (dev / ref_dev - 1):+.1f}%" if ref_dev else ""
+        lines.append(f"| {name} | {dev:.3f}{seeds} | {relative} | {test:.3f} | {math.log2(dev):.3f} | "
+                     f"{runs[0]['bytes_per_update']:.0f} | {_mean_rate(runs)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_rate(runs: List[dict]) -> str:
+    rates = [r["updates_per_second"] for r in runs if r["updates_per_second"]]
+    return f"{sum(rates) / len(rates):.2f}" if rates else ""
+
+
+def plots(results: List[dict], out: str):
+    """dev perplexity against updates and against bytes sent, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, label, name in (("updates", "updates", "dev_ppl_vs_updates.png"),
+                             ("bytes", "bytes sent by a worker", "dev_ppl_vs_bytes.png")):
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for result in results:
+            points = [(p[key], p["dev_ppl"]) for p in result["curve"] if key != "bytes" or p["bytes"] > 0]
+            if points:
+                axes.plot(*zip(*points), marker="o", label=f"{result['row']} s{result['seed']}")
+        axes.set_xlabel(label)
+        axes.set_ylabel("dev perplexity per character")
+        if key == "bytes":
+            axes.set_xscale("log")
+        axes.legend(fontsize=6)
+        figure.tight_layout()
+        figure.savefig(os.path.join(out, name), dpi=120)
+        plt.close(figure)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="lm_quality", help="runs, table and plots (a second start resumes)")
+    parser.add_argument("--corpus-dir", default=corpus.DEFAULT_OUT, help="the prepared corpus (benchmarks/corpus.py)")
+    parser.add_argument("--only", nargs="*", help="these rows only")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of the rows that run with several")
+    parser.add_argument("--smoke", action="store_true", help="two rows, a few steps, a tiny corpus")
+    args = parser.parse_args()
+    extra: List[str] = []
+    names = args.only or list(rows())
+    if args.smoke:
+        args.out = tempfile.mkdtemp(prefix="lm_quality_smoke_")
+        args.corpus_dir = os.path.join(args.out, "corpus")
+        corpus.write_tiny_corpus(os.path.join(args.out, "tiny"))
+        corpus.prepare(os.path.join(args.out, "tiny"), args.corpus_dir, vocab_size=100)
+        names, args.seeds = ["plain", "diloco_64_int4"], 1
+        extra = ["++num_epochs", "1", "++batch_size", "200"]
+    if not os.path.exists(os.path.join(args.corpus_dir, "vocab.chars.txt")):
+        raise SystemExit(f"lm_quality.py: no prepared corpus in {args.corpus_dir}; run benchmarks/corpus.py first")
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    table_rows = rows()
+    for name in names:
+        if name not in table_rows:
+            raise SystemExit(f"lm_quality.py: no row {name!r}; rows: {', '.join(table_rows)}")
+        for seed in range(1, (args.seeds if name in SEEDED_ROWS else 1) + 1):
+            done = os.path.join(args.out, "runs", f"{name}-seed{seed}.json")
+            if os.path.exists(done):
+                continue
+            result = run(name, table_rows[name], seed, os.path.abspath(args.corpus_dir),
+                         os.path.join(args.out, "work", f"{name}-seed{seed}"), extra)
+            with open(done, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"{name} seed {seed}: dev ppl {result['dev_ppl']:.3f}, test ppl {result['test_ppl']:.3f}, "
+                  f"{result['updates']} updates, {result['wall_seconds']:.0f} s", flush=True)
+    results = []
+    for path in sorted(glob.glob(os.path.join(args.out, "runs", "*.json"))):
+        with open(path) as f:
+            results.append(json.load(f))
+    with open(os.path.join(args.out, "runs.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    markdown = table(results)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(markdown)
+    plots(results, args.out)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
