@@ -13,7 +13,7 @@ import tensorflow as tf
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy
+from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy
 from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, make_tpu_strategy
 
@@ -21,6 +21,7 @@ __all__ = [
     "make_strategy",
     "is_local_sgd",
     "LocalSGDStrategy",
+    "TrainerLocalSGDStrategy",
     "MultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",
     "LocalSGDTPUStrategy",
@@ -71,7 +72,7 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
         if options.strategy == "local_sgd_tpu" and options.cluster_resolver == "local":
             # The TPU program's in-step sync, on local devices: to run the TPU path without a TPU.
             devices = local_replica_devices(options.num_replicas)
-            return _with_own_collective_keys(LocalSGDStrategy, devices, in_step_sync=True)
+            return _with_own_collective_keys(TrainerLocalSGDStrategy, devices, in_step_sync=True)
         return make_tpu_strategy(options.strategy)
     devices = local_replica_devices(options.num_replicas)
     if options.strategy == "single":
@@ -79,7 +80,7 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     if options.strategy == "mirrored":
         return _with_own_collective_keys(tf.distribute.MirroredStrategy, devices)
     if options.strategy == "local_sgd":
-        return _with_own_collective_keys(LocalSGDStrategy, devices)
+        return _with_own_collective_keys(TrainerLocalSGDStrategy, devices)
     raise AssertionError(f"unhandled distribute_strategy {options.strategy!r}")  # options.py validated it
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values as values_lib
 
 
 class LocalSGDExtendedMixin:
@@ -45,10 +46,86 @@ class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended
     """Local SGD over the devices of one machine."""
 
 
-class LocalSGDStrategy(tf.distribute.Strategy):
-    """Local SGD over the devices of one machine (a ``MirroredStrategy`` in all but the name).
+class ScheduledLocalSGDExtended(LocalSGDExtended):
+    """The extended of a :class:`LocalSGDStrategy` that a TF2 or Keras program trains with: it
+    gives TensorFlow's and Keras' own update path local-SGD semantics and owns the schedule.
 
-    >>> strategy = LocalSGDStrategy(["/cpu:0", "/cpu:1"])
+    * A replica-context all-reduce of gradients (Keras' optimizers sum the replicas' gradients
+      with ``ReplicaContext.all_reduce``, which reaches :meth:`batch_reduce_to` in a
+      ``merge_call``) leaves each replica its own: a SUM of gradients of a loss scaled to the
+      global batch (``tf.nn.compute_average_loss``, Keras' ``scale_loss``) is the replica's own
+      batch's mean gradient, so ``extended.update`` applies it to the replica's own copy.
+    * Every such all-reduce is one update; after the update of every ``param_sync_step``-th one,
+      each trainable variable's copies are averaged as it is updated (:meth:`_update`).
+    * :meth:`sync_now` averages every trainable variable at once (before evaluating, saving or
+      reading the model in cross-replica context, which sees the first replica's copy).
+
+    Only plain averaging so far; the other local-SGD options are the RETURNN trainer's
+    (:class:`TrainerLocalSGDStrategy`; docs/FACTS.md, "Local SGD for TF2 programs").
+    """
+
+    def __init__(self, container_strategy, devices, param_sync_step: int):
+        self.param_sync_step = param_sync_step
+        # Outside the strategy's scope (plain host variables): the updates so far, the syncs made.
+        self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/updates")
+        self._syncs = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/syncs")
+        self._synced_variables = []  # the trainable variables made in the scope
+        super().__init__(container_strategy, devices=devices)
+
+    def _create_variable(self, next_creator, **kwargs):
+        var = super()._create_variable(next_creator, **kwargs)
+        if kwargs.get("trainable", True):
+            self._synced_variables.append(var)
+        return var
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        self._updates.assign_add(1)
+        tf.cond(self._sync_due(), lambda: self._syncs.assign_add(1), lambda: self._syncs.read_value())
+        scale = self._num_replicas_in_sync if reduce_op == tf.distribute.ReduceOp.SUM else 1
+        own = []
+        for value, _ in value_destination_pairs:
+            copies = value.values if isinstance(value, values_lib.PerReplica) else (value,) * self._num_replicas_in_sync
+            own.append(values_lib.PerReplica(tuple(copy * scale for copy in copies)))
+        return own
+
+    def _update(self, var, fn, args, kwargs, group):
+        result = super()._update(var, fn, args, kwargs, group)
+        if not any(var is synced for synced in self._synced_variables):
+            return result
+        with tf.control_dependencies([op for op in tf.nest.flatten(result) if op is not None]):
+            tf.cond(self._sync_due(), lambda: self._average(var), lambda: tf.constant(False))
+        return result
+
+    def _sync_due(self) -> tf.Tensor:
+        return tf.equal(self._updates % self.param_sync_step, 0)
+
+    @staticmethod
+    def _average(var) -> tf.Tensor:
+        copies = var.values
+        mean = tf.add_n([copy.read_value() for copy in copies]) / len(copies)
+        for copy in copies:
+            with tf.device(copy.device):
+                copy.assign(tf.identity(mean))
+        return tf.constant(True)
+
+    def sync_now(self):
+        """Averages every trainable variable's copies now (cross-replica context)."""
+        for var in self._synced_variables:
+            self._average(var)
+        self._syncs.assign_add(1)
+
+    @property
+    def sync_stats(self) -> dict:
+        """The updates made and the syncs among them (each averages every trainable variable)."""
+        return {"updates": int(self._updates.numpy()), "syncs": int(self._syncs.numpy())}
+
+
+class TrainerLocalSGDStrategy(tf.distribute.Strategy):
+    """Local SGD over the devices of one machine for the RETURNN trainer (a ``MirroredStrategy``
+    in all but the name): the package's optimizers apply each replica's gradient to its own copy
+    and :mod:`returnn_tpu.sync` combines the copies.
+
+    >>> strategy = TrainerLocalSGDStrategy(["/cpu:0", "/cpu:1"])
     >>> with strategy.scope():
     ...     w = tf.Variable(1.0)
     >>> grads = strategy.experimental_distribute_values_from_function(
@@ -65,3 +142,26 @@ class LocalSGDStrategy(tf.distribute.Strategy):
         extended = LocalSGDExtended(self, devices=devices, cross_device_ops=cross_device_ops)
         extended.in_step_sync = in_step_sync
         super().__init__(extended)
+
+
+class LocalSGDStrategy(tf.distribute.Strategy):
+    """Local SGD over the devices of one machine for a TF2 or Keras program: a drop-in replacement
+    of ``tf.distribute.MirroredStrategy`` (:class:`ScheduledLocalSGDExtended`).
+
+    ``local_sgd_options`` are the local-SGD keys of ``distribute_options``, with their names,
+    defaults and checks; so far ``param_sync_step`` (default 100):
+
+    >>> strategy = LocalSGDStrategy(["/cpu:0", "/cpu:1"], param_sync_step=16)  # doctest: +SKIP
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     model = keras.Sequential([...]); model.compile(optimizer="sgd", loss="mse")
+    >>> model.fit(dataset, epochs=2)  # doctest: +SKIP
+    >>> strategy.extended.sync_now(); model.save("model.keras")  # doctest: +SKIP
+    """
+
+    _collective_key_base = 0  # read by MirroredExtended, as on MirroredStrategy
+
+    def __init__(self, devices=None, **local_sgd_options):
+        from returnn_tpu.options import check_tf2_local_sgd_options
+
+        step = check_tf2_local_sgd_options(local_sgd_options)
+        super().__init__(ScheduledLocalSGDExtended(self, devices, step))

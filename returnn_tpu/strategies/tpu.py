@@ -6,7 +6,7 @@ applies its own gradients to its own copy, and the sync (:mod:`returnn_tpu.sync`
 as for ``local_sgd``) runs under ``tf.cond`` on the fragments the host says are due.
 
 Not run on a real TPU yet (none was available): what a CPU can show is tested (the error when
-no TPU is found; the in-step sync logic, with ``LocalSGDStrategy(in_step_sync=True)``).
+no TPU is found; the in-step sync logic, with ``TrainerLocalSGDStrategy(in_step_sync=True)``).
 """
 
 from __future__ import annotations

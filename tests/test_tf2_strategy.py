@@ -1,0 +1,98 @@
+"""``LocalSGDStrategy`` in a TF2 program: TensorFlow's custom-loop tutorial code and Keras 3's
+``compile`` / ``fit`` / ``evaluate`` / ``save``, with only the strategy's constructor changed."""
+
+import numpy
+import pytest
+import tensorflow as tf
+
+import keras
+from returnn_tpu.errors import ConfigError
+from returnn_tpu.strategies import LocalSGDStrategy
+
+DEVICES = ["/cpu:0", "/cpu:1"]
+GLOBAL_BATCH = 8
+
+
+def _data(seed=0):
+    rng = numpy.random.RandomState(seed)
+    x = rng.randn(64, 4).astype("float32")
+    return x, (x @ numpy.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
+
+
+def _custom_loop(strategy, steps: int):
+    """TensorFlow's "Custom training with tf.distribute.Strategy" loop; the kernel's copies after
+    each step (one array per replica)."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+        optimizer = keras.optimizers.SGD(0.05)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(_data()).batch(GLOBAL_BATCH).repeat())
+
+    @tf.function
+    def train_step(inputs):
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                per_example_loss = tf.square(model(x, training=True) - y)[:, 0]
+                loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(step_fn, args=inputs), axis=None)
+
+    batches, copies = iter(dataset), []
+    for _ in range(steps):
+        train_step(next(batches))
+        kernel = model.trainable_variables[0]
+        copies.append([c.numpy().copy() for c in strategy.experimental_local_results(getattr(kernel, "value", kernel))])
+    return copies
+
+
+def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updates():
+    strategy = LocalSGDStrategy(DEVICES, param_sync_step=3)
+    copies = _custom_loop(strategy, 6)
+    for step, (first, second) in enumerate(copies, start=1):
+        if step % 3:  # each replica applied its own batch's gradient to its own copy
+            assert not numpy.allclose(first, second), step
+        else:  # the sync after update 3 and 6
+            numpy.testing.assert_array_equal(first, second)
+    assert strategy.extended.sync_stats == {"updates": 6, "syncs": 2}
+
+
+def test_local_sgd_of_one_update_is_synchronous_sgd():
+    """The mean of each replica's SGD step from one model is SGD on the mean gradient: N = 1
+    gives MirroredStrategy's parameters (the loss scaling to the global batch is undone right)."""
+    ours = _custom_loop(LocalSGDStrategy(DEVICES, param_sync_step=1), 3)
+    theirs = _custom_loop(tf.distribute.MirroredStrategy(DEVICES), 3)
+    for (our_copy, _), (their_copy, _) in zip(ours, theirs):
+        numpy.testing.assert_allclose(our_copy, their_copy, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_compile_fit_evaluate_and_save(tmp_path):
+    strategy = LocalSGDStrategy(DEVICES, param_sync_step=4)
+    x, y = _data(1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert strategy.extended.sync_stats["updates"] == 3 * 64 // GLOBAL_BATCH
+    strategy.extended.sync_now()  # the combined model, for evaluating and saving
+    kernel = model.trainable_variables[0]
+    first, second = (c.numpy() for c in strategy.experimental_local_results(getattr(kernel, "value", kernel)))
+    numpy.testing.assert_array_equal(first, second)
+    assert model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0) < history.history["loss"][0]
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    numpy.testing.assert_array_equal(loaded.get_weights()[0], first)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"param_sync_step": 0}, "param_sync_step'] must be an int >= 1"),
+    ({"param_sync_stepp": 4}, "LocalSGDStrategy has no option 'param_sync_stepp'"),
+    ({"outer_optimizer": {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9}},
+     "'outer_optimizer' is not supported for TF2 programs yet"),
+])
+def test_bad_options_are_one_line(options, message):
+    with pytest.raises(ConfigError, match=message.replace("[", "\\[").replace("(", "\\(")):
+        LocalSGDStrategy(DEVICES, **options)
