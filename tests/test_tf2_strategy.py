@@ -96,3 +96,65 @@ def test_keras_compile_fit_evaluate_and_save(tmp_path):
 def test_bad_options_are_one_line(options, message):
     with pytest.raises(ConfigError, match=message.replace("[", "\\[").replace("(", "\\(")):
         LocalSGDStrategy(DEVICES, **options)
+
+
+WORKER_PROGRAM = """
+import json, sys
+import numpy, tensorflow as tf, keras
+from returnn_tpu.strategies import MultiWorkerLocalSGDStrategy
+
+strategy = MultiWorkerLocalSGDStrategy(param_sync_step=3)  # TF_CONFIG
+worker = json.loads(__import__("os").environ["TF_CONFIG"])["task"]["index"]
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+    optimizer = keras.optimizers.SGD(0.05)
+rng = numpy.random.RandomState(worker)  # each worker its own data
+x = rng.randn(64, 4).astype("float32")
+y = x @ numpy.array([[1.0], [-2.0], [0.5], [3.0]], "float32")
+dataset = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()))
+
+@tf.function
+def train_step(inputs):
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(tf.square(model(xb, training=True) - yb)[:, 0], global_batch_size=16)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+    return strategy.reduce("SUM", strategy.run(step_fn, args=inputs), axis=None)
+
+for step in range(1, 7):
+    train_step(next(dataset))
+    print("step", step, json.dumps(model.get_weights()[0][:, 0].tolist()), flush=True)
+print("stats", json.dumps(strategy.extended.sync_stats), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_workers_train_local_copies_and_average_every_n_updates(tmp_path):
+    """``MultiWorkerLocalSGDStrategy`` in two processes (``TF_CONFIG`` on 127.0.0.1), each on its
+    own data: their kernels differ between syncs and are equal after updates 3 and 6."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from returnn_tpu.launcher import free_local_ports
+
+    (tmp_path / "worker.py").write_text(WORKER_PROGRAM)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_local_ports(2)]}
+    workers = [subprocess.Popen([sys.executable, "worker.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+                                         TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})))
+               for i in range(2)]
+    outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+    assert all(worker.returncode == 0 for worker in workers), outputs[0][-3000:] + outputs[1][-3000:]
+    kernels = [{int(line.split()[1]): json.loads(line.split(" ", 2)[2]) for line in output.splitlines()
+                if line.startswith("step ")} for output in outputs]
+    for step in range(1, 7):
+        if step % 3:
+            assert not numpy.allclose(kernels[0][step], kernels[1][step]), step
+        else:
+            numpy.testing.assert_allclose(kernels[0][step], kernels[1][step], rtol=1e-6)
+    assert all('stats {"updates": 6, "syncs": 2}' in output for output in outputs)

@@ -14,7 +14,8 @@ from returnn_tpu.cluster import Cluster
 from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy, TrainerLocalSGDStrategy
-from returnn_tpu.strategies.multi_worker import MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy
+from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
+                                                 TrainerMultiWorkerLocalSGDStrategy)
 from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, make_tpu_strategy
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "LocalSGDStrategy",
     "TrainerLocalSGDStrategy",
     "MultiWorkerLocalSGDStrategy",
+    "TrainerMultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",
     "LocalSGDTPUStrategy",
     "syncs_in_step",
@@ -60,7 +62,7 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     """
     multi_worker = cluster is not None and cluster.num_workers > 1
     if options.strategy == "multi_worker_mirrored" or (options.strategy == "local_sgd" and multi_worker):
-        cls = MultiWorkerLocalSGDStrategy if options.strategy == "local_sgd" else MultiWorkerMirroredStrategy
+        cls = TrainerMultiWorkerLocalSGDStrategy if options.strategy == "local_sgd" else MultiWorkerMirroredStrategy
         return _with_own_collective_keys(
             cls,
             cluster.resolver if cluster else None,

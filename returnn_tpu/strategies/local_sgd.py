@@ -46,9 +46,10 @@ class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended
     """Local SGD over the devices of one machine."""
 
 
-class ScheduledLocalSGDExtended(LocalSGDExtended):
-    """The extended of a :class:`LocalSGDStrategy` that a TF2 or Keras program trains with: it
-    gives TensorFlow's and Keras' own update path local-SGD semantics and owns the schedule.
+class ScheduledLocalSGDMixin:
+    """What makes an extended that a TF2 or Keras program trains with local SGD: it gives
+    TensorFlow's and Keras' own update path local-SGD semantics and owns the schedule
+    (docs/FACTS.md, "Local SGD for TF2 programs").
 
     * A replica-context all-reduce of gradients (Keras' optimizers sum the replicas' gradients
       with ``ReplicaContext.all_reduce``, which reaches :meth:`batch_reduce_to` in a
@@ -56,21 +57,22 @@ class ScheduledLocalSGDExtended(LocalSGDExtended):
       global batch (``tf.nn.compute_average_loss``, Keras' ``scale_loss``) is the replica's own
       batch's mean gradient, so ``extended.update`` applies it to the replica's own copy.
     * Every such all-reduce is one update; after the update of every ``param_sync_step``-th one,
-      each trainable variable's copies are averaged as it is updated (:meth:`_update`).
+      each trainable variable's copies are averaged over all replicas as it is updated
+      (:meth:`_update`).
     * :meth:`sync_now` averages every trainable variable at once (before evaluating, saving or
       reading the model in cross-replica context, which sees the first replica's copy).
 
     Only plain averaging so far; the other local-SGD options are the RETURNN trainer's
-    (:class:`TrainerLocalSGDStrategy`; docs/FACTS.md, "Local SGD for TF2 programs").
+    (:class:`TrainerLocalSGDStrategy`). Concrete extendeds call :meth:`_start_schedule` after
+    their base's ``__init__`` (a multi-worker one must create no variable before it).
     """
 
-    def __init__(self, container_strategy, devices, param_sync_step: int):
+    def _start_schedule(self, param_sync_step: int):
         self.param_sync_step = param_sync_step
         # Outside the strategy's scope (plain host variables): the updates so far, the syncs made.
         self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/updates")
         self._syncs = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/syncs")
         self._synced_variables = []  # the trainable variables made in the scope
-        super().__init__(container_strategy, devices=devices)
 
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
@@ -84,7 +86,7 @@ class ScheduledLocalSGDExtended(LocalSGDExtended):
         scale = self._num_replicas_in_sync if reduce_op == tf.distribute.ReduceOp.SUM else 1
         own = []
         for value, _ in value_destination_pairs:
-            copies = value.values if isinstance(value, values_lib.PerReplica) else (value,) * self._num_replicas_in_sync
+            copies = value.values if isinstance(value, values_lib.PerReplica) else (value,) * len(self.worker_devices)
             own.append(values_lib.PerReplica(tuple(copy * scale for copy in copies)))
         return own
 
@@ -99,17 +101,20 @@ class ScheduledLocalSGDExtended(LocalSGDExtended):
     def _sync_due(self) -> tf.Tensor:
         return tf.equal(self._updates % self.param_sync_step, 0)
 
-    @staticmethod
-    def _average(var) -> tf.Tensor:
+    def _average(self, var) -> tf.Tensor:
+        """Sets every copy of ``var`` (of all workers) to the copies' mean. The copies are reduced
+        as a per-replica value: reduced as a mirrored variable, they would be taken as equal."""
         copies = var.values
-        mean = tf.add_n([copy.read_value() for copy in copies]) / len(copies)
-        for copy in copies:
+        mean = self.reduce_to(tf.distribute.ReduceOp.MEAN, values_lib.PerReplica(tuple(c.read_value() for c in copies)),
+                              destinations=var)
+        for copy, value in zip(copies, self._local_results(mean)):
             with tf.device(copy.device):
-                copy.assign(tf.identity(mean))
+                copy.assign(value)
         return tf.constant(True)
 
     def sync_now(self):
-        """Averages every trainable variable's copies now (cross-replica context)."""
+        """Averages every trainable variable's copies now (cross-replica context; with several
+        workers, every worker calls it at the same point)."""
         for var in self._synced_variables:
             self._average(var)
         self._syncs.assign_add(1)
@@ -118,6 +123,14 @@ class ScheduledLocalSGDExtended(LocalSGDExtended):
     def sync_stats(self) -> dict:
         """The updates made and the syncs among them (each averages every trainable variable)."""
         return {"updates": int(self._updates.numpy()), "syncs": int(self._syncs.numpy())}
+
+
+class ScheduledLocalSGDExtended(ScheduledLocalSGDMixin, LocalSGDExtended):
+    """:class:`ScheduledLocalSGDMixin` over the devices of one machine."""
+
+    def __init__(self, container_strategy, devices, param_sync_step: int):
+        super().__init__(container_strategy, devices=devices)
+        self._start_schedule(param_sync_step)
 
 
 class TrainerLocalSGDStrategy(tf.distribute.Strategy):

@@ -1,7 +1,9 @@
 """Strategies across worker processes: TensorFlow's collective all-reduce over gRPC, with timeouts.
 
-* :class:`MultiWorkerLocalSGDStrategy`: local SGD; steps need no communication, a sync is one
-  bucketed collective all-reduce over all replicas of all workers (see :mod:`returnn_tpu.sync`).
+* :class:`TrainerMultiWorkerLocalSGDStrategy`: the RETURNN trainer's local SGD; steps need no
+  communication, a sync is one bucketed collective all-reduce over all replicas of all workers
+  (see :mod:`returnn_tpu.sync`).
+* :class:`MultiWorkerLocalSGDStrategy`: local SGD for a TF2 or Keras program.
 * :class:`MultiWorkerMirroredStrategy`: TensorFlow's synchronous multi-worker strategy.
 
 Both wait at most ``startup_timeout`` seconds for the cluster and stop with an error that names
@@ -24,7 +26,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as car
 
 from returnn_tpu.strategies import startup_watchdog
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin
+from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, ScheduledLocalSGDMixin
 
 
 def communication_options(collective_timeout, bucket_bytes: int):
@@ -104,10 +106,38 @@ class MultiWorkerMirroredStrategy(_MultiWorkerStrategy):
     """TensorFlow's synchronous multi-worker strategy with start-up and collective timeouts."""
 
 
-class MultiWorkerLocalSGDStrategy(_MultiWorkerStrategy):
-    """Local SGD across workers: every worker trains its replicas' copies.
+class TrainerMultiWorkerLocalSGDStrategy(_MultiWorkerStrategy):
+    """Local SGD across workers for the RETURNN trainer: every worker trains its replicas' copies.
 
     Start one process per worker, each with the same ``TF_CONFIG`` cluster and its own task.
     """
 
     extended_class = MultiWorkerLocalSGDExtended
+
+
+class ScheduledMultiWorkerLocalSGDExtended(ScheduledLocalSGDMixin, MultiWorkerLocalSGDExtended):
+    """:class:`ScheduledLocalSGDMixin` over all replicas of all workers."""
+
+    def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float, param_sync_step: int):
+        super().__init__(container_strategy, cluster_resolver, options, startup_timeout)
+        self._start_schedule(param_sync_step)
+
+
+class MultiWorkerLocalSGDStrategy(car.CollectiveAllReduceStrategy):
+    """Local SGD across workers for a TF2 or Keras program: a drop-in replacement of
+    ``tf.distribute.MultiWorkerMirroredStrategy`` (``TF_CONFIG``, or ``cluster_resolver``), whose
+    copies are averaged over all workers every ``param_sync_step`` updates
+    (:class:`returnn_tpu.strategies.local_sgd.ScheduledLocalSGDMixin`).
+
+    ``local_sgd_options`` are the local-SGD keys of ``distribute_options``; so far
+    ``param_sync_step`` (default 100). A start-up that takes longer than ``startup_timeout``
+    seconds ends with an error naming the missing workers.
+    """
+
+    def __init__(self, cluster_resolver=None, startup_timeout: float = 300.0, **local_sgd_options):
+        from returnn_tpu.options import DistributeOptions, check_tf2_local_sgd_options
+
+        step = check_tf2_local_sgd_options(local_sgd_options)
+        options = communication_options(None, DistributeOptions.sync_bucket_bytes)
+        extended = ScheduledMultiWorkerLocalSGDExtended(self, cluster_resolver, options, startup_timeout, step)
+        tf.distribute.Strategy.__init__(self, extended)  # skip CollectiveAllReduceStrategy.__init__
