@@ -326,18 +326,23 @@ def _overlap_and_quantization(options: Mapping[str, Any], checked: dict, step: i
     return kwargs
 
 
-def check_tf2_local_sgd_options(options: Mapping[str, Any]) -> int:
+def check_tf2_local_sgd_options(options: Mapping[str, Any]) -> Tuple[int, Optional[dict]]:
     """The options of a TF2 program's ``LocalSGDStrategy``: the local-SGD keys of
-    ``distribute_options``, checked as there; returns ``param_sync_step``. Only plain averaging
-    every ``param_sync_step`` updates is a TF2 program's so far; the other keys are refused in one
-    line (the RETURNN trainer runs them)."""
+    ``distribute_options``, checked as there; returns ``param_sync_step`` and the outer optimizer
+    (None: plain averaging; DiLoCo's Nesterov, with its defaults filled in). The other keys are
+    refused in one line so far (the RETURNN trainer runs them)."""
     unknown = sorted(set(options) - set(LOCAL_SGD_OPTIONS))
     if unknown:
         raise ConfigError(f"LocalSGDStrategy has no option {unknown[0]!r}; its options: {', '.join(LOCAL_SGD_OPTIONS)}")
     step = _positive_int("param_sync_step", options.get("param_sync_step", DEFAULT_PARAM_SYNC_STEP))
-    _sync_options("local_sgd", options)  # each value and their combination, as in a config
-    later = sorted(key for key in options if key != "param_sync_step")
+    checked = _sync_options("local_sgd", options)  # each value and their combination, as in a config
+    later = [repr(key) for key in sorted(options) if key not in ("param_sync_step", "outer_optimizer")]
+    outer = checked.get("outer_optimizer")
+    if outer is not None and outer["class"] != "nesterov":
+        later.insert(0, f"outer_optimizer class {outer['class']!r}")
     if later:
-        raise ConfigError(f"LocalSGDStrategy: {later[0]!r} is not supported for TF2 programs yet (returnn-tpu's "
-                          "trainer runs it); give param_sync_step only")
-    return step
+        raise ConfigError(f"LocalSGDStrategy: {later[0]} is not supported for TF2 programs yet (returnn-tpu's "
+                          "trainer runs it); give param_sync_step and a 'nesterov' outer_optimizer")
+    if outer is not None:
+        outer = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9, **outer}
+    return step, outer

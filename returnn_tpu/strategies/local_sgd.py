@@ -10,6 +10,8 @@ a local-SGD one (:func:`returnn_tpu.strategies.is_local_sgd`). Combining the cop
 
 from __future__ import annotations
 
+from typing import Optional
+
 import tensorflow as tf
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values as values_lib
@@ -62,22 +64,37 @@ class ScheduledLocalSGDMixin:
     * :meth:`sync_now` averages every trainable variable at once (before evaluating, saving or
       reading the model in cross-replica context, which sees the first replica's copy).
 
-    Only plain averaging so far; the other local-SGD options are the RETURNN trainer's
-    (:class:`TrainerLocalSGDStrategy`). Concrete extendeds call :meth:`_start_schedule` after
-    their base's ``__init__`` (a multi-worker one must create no variable before it).
+    * With an ``outer_optimizer`` (DiLoCo's Nesterov), the copies' mean is not the new model:
+      the outer gradient ``g = anchor - mean`` takes a Nesterov momentum step from the anchor
+      (``m = momentum * m + g``, ``new = anchor - learning_rate * (g + momentum * m)``, the
+      trainer's rule), and the anchor and ``m`` are this extended's variables, one each per
+      trainable variable, made beside it in the scope (:attr:`outer_state`).
+
+    The other local-SGD options are the RETURNN trainer's so far (:class:`TrainerLocalSGDStrategy`).
+    Concrete extendeds call :meth:`_start_schedule` after their base's ``__init__`` (a
+    multi-worker one must create no variable before it).
     """
 
-    def _start_schedule(self, param_sync_step: int):
+    def _start_schedule(self, param_sync_step: int, outer_optimizer: Optional[dict] = None):
         self.param_sync_step = param_sync_step
+        self.outer_optimizer = outer_optimizer
         # Outside the strategy's scope (plain host variables): the updates so far, the syncs made.
         self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/updates")
         self._syncs = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/syncs")
         self._synced_variables = []  # the trainable variables made in the scope
+        self.outer_state = {}  # id of a synced variable -> (its anchor, its outer momentum)
 
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
         if kwargs.get("trainable", True):
             self._synced_variables.append(var)
+            if self.outer_optimizer is not None:
+                name = var.name.split(":")[0]
+                anchor = super()._create_variable(next_creator, initial_value=lambda: tf.identity(var.read_value()),
+                                                  trainable=False, name=f"{name}/local_sgd_anchor")
+                momentum = super()._create_variable(next_creator, initial_value=lambda: tf.zeros(var.shape, var.dtype),
+                                                    trainable=False, name=f"{name}/local_sgd_momentum")
+                self.outer_state[id(var)] = (anchor, momentum)
         return var
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -107,10 +124,27 @@ class ScheduledLocalSGDMixin:
         copies = var.values
         mean = self.reduce_to(tf.distribute.ReduceOp.MEAN, values_lib.PerReplica(tuple(c.read_value() for c in copies)),
                               destinations=var)
-        for copy, value in zip(copies, self._local_results(mean)):
+        new_values = self._local_results(mean)
+        if self.outer_optimizer is not None:
+            new_values = self._outer_step(var, new_values)
+        for copy, value in zip(copies, new_values):
             with tf.device(copy.device):
                 copy.assign(value)
         return tf.constant(True)
+
+    def _outer_step(self, var, means) -> list:
+        """DiLoCo's Nesterov step from each copy's anchor with the outer gradient ``anchor - mean``;
+        the new model, per local copy (anchors and momenta updated, the same on every replica)."""
+        learning_rate, momentum = self.outer_optimizer["learning_rate"], self.outer_optimizer["momentum"]
+        anchor, outer_momentum = self.outer_state[id(var)]
+        new_values = []
+        for anchor_copy, momentum_copy, mean in zip(anchor.values, outer_momentum.values, means):
+            with tf.device(anchor_copy.device):
+                grad = anchor_copy.read_value() - mean
+                moved = momentum_copy.assign(momentum * momentum_copy + grad)
+                new = anchor_copy.read_value() - learning_rate * (grad + momentum * moved)
+                new_values.append(anchor_copy.assign(new))
+        return new_values
 
     def sync_now(self):
         """Averages every trainable variable's copies now (cross-replica context; with several
@@ -128,9 +162,9 @@ class ScheduledLocalSGDMixin:
 class ScheduledLocalSGDExtended(ScheduledLocalSGDMixin, LocalSGDExtended):
     """:class:`ScheduledLocalSGDMixin` over the devices of one machine."""
 
-    def __init__(self, container_strategy, devices, param_sync_step: int):
+    def __init__(self, container_strategy, devices, param_sync_step: int, outer_optimizer: Optional[dict] = None):
         super().__init__(container_strategy, devices=devices)
-        self._start_schedule(param_sync_step)
+        self._start_schedule(param_sync_step, outer_optimizer)
 
 
 class TrainerLocalSGDStrategy(tf.distribute.Strategy):
@@ -162,7 +196,8 @@ class LocalSGDStrategy(tf.distribute.Strategy):
     of ``tf.distribute.MirroredStrategy`` (:class:`ScheduledLocalSGDExtended`).
 
     ``local_sgd_options`` are the local-SGD keys of ``distribute_options``, with their names,
-    defaults and checks; so far ``param_sync_step`` (default 100):
+    defaults and checks; so far ``param_sync_step`` (default 100) and ``outer_optimizer`` (DiLoCo's
+    ``{"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9}``):
 
     >>> strategy = LocalSGDStrategy(["/cpu:0", "/cpu:1"], param_sync_step=16)  # doctest: +SKIP
     >>> with strategy.scope():  # doctest: +SKIP
@@ -176,5 +211,5 @@ class LocalSGDStrategy(tf.distribute.Strategy):
     def __init__(self, devices=None, **local_sgd_options):
         from returnn_tpu.options import check_tf2_local_sgd_options
 
-        step = check_tf2_local_sgd_options(local_sgd_options)
-        super().__init__(ScheduledLocalSGDExtended(self, devices, step))
+        step, outer = check_tf2_local_sgd_options(local_sgd_options)
+        super().__init__(ScheduledLocalSGDExtended(self, devices, step, outer))

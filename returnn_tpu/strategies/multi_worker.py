@@ -118,9 +118,10 @@ class TrainerMultiWorkerLocalSGDStrategy(_MultiWorkerStrategy):
 class ScheduledMultiWorkerLocalSGDExtended(ScheduledLocalSGDMixin, MultiWorkerLocalSGDExtended):
     """:class:`ScheduledLocalSGDMixin` over all replicas of all workers."""
 
-    def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float, param_sync_step: int):
+    def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float, param_sync_step: int,
+                 outer_optimizer=None):
         super().__init__(container_strategy, cluster_resolver, options, startup_timeout)
-        self._start_schedule(param_sync_step)
+        self._start_schedule(param_sync_step, outer_optimizer)
 
 
 class MultiWorkerLocalSGDStrategy(car.CollectiveAllReduceStrategy):
@@ -130,14 +131,14 @@ class MultiWorkerLocalSGDStrategy(car.CollectiveAllReduceStrategy):
     (:class:`returnn_tpu.strategies.local_sgd.ScheduledLocalSGDMixin`).
 
     ``local_sgd_options`` are the local-SGD keys of ``distribute_options``; so far
-    ``param_sync_step`` (default 100). A start-up that takes longer than ``startup_timeout``
+    ``param_sync_step`` (default 100) and a Nesterov ``outer_optimizer`` (DiLoCo). A start-up that takes longer than ``startup_timeout``
     seconds ends with an error naming the missing workers.
     """
 
     def __init__(self, cluster_resolver=None, startup_timeout: float = 300.0, **local_sgd_options):
         from returnn_tpu.options import DistributeOptions, check_tf2_local_sgd_options
 
-        step = check_tf2_local_sgd_options(local_sgd_options)
+        step, outer = check_tf2_local_sgd_options(local_sgd_options)
         options = communication_options(None, DistributeOptions.sync_bucket_bytes)
-        extended = ScheduledMultiWorkerLocalSGDExtended(self, cluster_resolver, options, startup_timeout, step)
+        extended = ScheduledMultiWorkerLocalSGDExtended(self, cluster_resolver, options, startup_timeout, step, outer)
         tf.distribute.Strategy.__init__(self, extended)  # skip CollectiveAllReduceStrategy.__init__
