@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.strategies import LocalSGDStrategy
+from returnn_tpu.strategies import LocalSGDStrategy, SyncCallback
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 GLOBAL_BATCH = 8
@@ -59,7 +59,7 @@ def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updat
             assert not numpy.allclose(first, second), step
         else:  # the sync after update 3 and 6
             numpy.testing.assert_array_equal(first, second)
-    assert strategy.extended.sync_stats == {"updates": 6, "syncs": 2}
+    assert strategy.extended.sync_stats == {"updates": 6, "syncs": 2, "bytes": 2 * 2 * (4 + 1) * 4}
 
 
 def test_local_sgd_of_one_update_is_synchronous_sgd():
@@ -90,10 +90,13 @@ def test_keras_compile_fit_evaluate_and_save(tmp_path):
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, verbose=0)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, verbose=0, validation_data=(x, y),
+                        callbacks=[SyncCallback(strategy)])  # combined for validation and at the end
     assert history.history["loss"][-1] < history.history["loss"][0]
-    assert strategy.extended.sync_stats["updates"] == 3 * 64 // GLOBAL_BATCH
-    strategy.extended.sync_now()  # the combined model, for evaluating and saving
+    stats = strategy.extended.sync_stats
+    assert stats["updates"] == 3 * 64 // GLOBAL_BATCH
+    # 6 scheduled syncs, and the callback's: 3 validations, 3 epoch ends, the end of training
+    assert stats["syncs"] == 6 + 7 and stats["bytes"] == stats["syncs"] * 2 * (4 + 1) * 4
     kernel = model.trainable_variables[0]
     first, second = (c.numpy() for c in strategy.experimental_local_results(getattr(kernel, "value", kernel)))
     numpy.testing.assert_array_equal(first, second)
@@ -173,4 +176,4 @@ def test_two_workers_train_local_copies_and_average_every_n_updates(tmp_path):
             assert not numpy.allclose(kernels[0][step], kernels[1][step]), step
         else:
             numpy.testing.assert_allclose(kernels[0][step], kernels[1][step], rtol=1e-6)
-    assert all('stats {"updates": 6, "syncs": 2}' in output for output in outputs)
+    assert all('stats {"updates": 6, "syncs": 2, "bytes": 40}' in output for output in outputs)

@@ -13,7 +13,7 @@ import tensorflow as tf
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy, TrainerLocalSGDStrategy
+from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
                                                  TrainerMultiWorkerLocalSGDStrategy)
 from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, make_tpu_strategy
@@ -23,6 +23,7 @@ __all__ = [
     "is_local_sgd",
     "LocalSGDStrategy",
     "TrainerLocalSGDStrategy",
+    "SyncCallback",
     "MultiWorkerLocalSGDStrategy",
     "TrainerMultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",

@@ -1,17 +1,22 @@
 """Local SGD as a ``tf.distribute`` strategy: mirrored variables whose copies may differ.
 
 Every replica applies its own gradients to its own copy of each variable; no communication
-happens in a training step. The variables are ordinary ``MirroredVariable`` objects and every
-reduction reduces as TensorFlow defines it; what makes the copies differ is that the
-optimizers of this package apply each replica's gradient to its own copy when the strategy is
-a local-SGD one (:func:`returnn_tpu.strategies.is_local_sgd`). Combining the copies is
-:mod:`returnn_tpu.sync`'s job.
+happens in a training step. The variables are ordinary ``MirroredVariable`` objects.
+
+* :class:`TrainerLocalSGDStrategy` (the RETURNN trainer's): every reduction reduces as TensorFlow
+  defines it; the package's optimizers apply each replica's gradient to its own copy
+  (:func:`returnn_tpu.strategies.is_local_sgd`), and :mod:`returnn_tpu.sync` combines the copies.
+* :class:`LocalSGDStrategy` (a TF2 or Keras program's): its extended
+  (:class:`ScheduledLocalSGDMixin`) gives TensorFlow's and Keras' own update path local-SGD
+  semantics, decides when to sync and combines the copies; :class:`SyncCallback` combines them
+  where Keras reads the model.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import keras
 import tensorflow as tf
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values as values_lib
@@ -147,16 +152,35 @@ class ScheduledLocalSGDMixin:
         return new_values
 
     def sync_now(self):
-        """Averages every trainable variable's copies now (cross-replica context; with several
-        workers, every worker calls it at the same point)."""
+        """Combines every trainable variable's copies now (cross-replica context; with several
+        workers, every worker calls it at the same point), as a scheduled sync does."""
         for var in self._synced_variables:
             self._average(var)
         self._syncs.assign_add(1)
 
     @property
     def sync_stats(self) -> dict:
-        """The updates made and the syncs among them (each averages every trainable variable)."""
-        return {"updates": int(self._updates.numpy()), "syncs": int(self._syncs.numpy())}
+        """The updates made, the syncs (each combines every trainable variable) and the bytes this
+        worker handed to their all-reduces (its local copies of every trainable variable)."""
+        syncs = int(self._syncs.numpy())
+        per_sync = sum(len(var.values) * var.shape.num_elements() * var.dtype.size for var in self._synced_variables)
+        return {"updates": int(self._updates.numpy()), "syncs": syncs, "bytes": syncs * per_sync}
+
+
+class SyncCallback(keras.callbacks.Callback):
+    """A Keras callback that combines a local-SGD strategy's copies where Keras reads the model in
+    cross-replica context: before evaluating (also ``fit``'s validation), predicting, at each
+    epoch's end (before ``ModelCheckpoint`` saves, when listed first) and at the end of training.
+    ``model.fit(..., callbacks=[SyncCallback(strategy), ...])``."""
+
+    def __init__(self, strategy: tf.distribute.Strategy):
+        super().__init__()
+        self.extended = strategy.extended
+
+    def _sync(self, *_args, **_kwargs):
+        self.extended.sync_now()
+
+    on_test_begin = on_predict_begin = on_epoch_end = on_train_end = _sync
 
 
 class ScheduledLocalSGDExtended(ScheduledLocalSGDMixin, LocalSGDExtended):
