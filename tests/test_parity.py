@@ -93,9 +93,9 @@ def test_same_as_plain_returnn(name, tmp_path, env):
     assert [f for f in os.listdir(tmp_path / "local_sgd" / "out") if f.endswith(".001.index")]  # (pretrain.)001
     with open(tmp_path / "local_sgd" / "out" / "metrics.jsonl") as f:
         assert json.loads(f.readline())["num_replicas"] == 2
-    for run_name in ("plain", "ours", "local_sgd"):
+    for run_name in ("plain", "ours", "local_sgd") if name in FROZEN else ():
         trained = initial_params_of(str(tmp_path / run_name / "out" / "model.001"))
-        for key in FROZEN.get(name, []):
+        for key in FROZEN[name]:
             numpy.testing.assert_array_equal(trained[key], plain[key], err_msg=f"{run_name}: frozen {key} changed")
 
 
