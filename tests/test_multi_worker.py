@@ -185,17 +185,7 @@ def test_sigterm_to_mpirun_saves_the_last_sync_within_its_grace(tmp_path):
 
     write_config(tmp_path / "train.config", num_seqs="2000", num_epochs=1,
                  options={**SYNC_EVERY_10, "cluster_resolver": "mpi", "startup_timeout": 120})
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
-               "train.config"]
-    job = subprocess.Popen(command + ["++log_verbosity", "5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    for line in job.stdout:
-        if line.startswith("[1,0]<stdout>:train epoch 1, step 25,"):
-            break
-        assert time.time() < deadline, "no step 25 within 300 s"
+    job, command, env = _mpirun_at_step(tmp_path, 25)
     job.send_signal(signal.SIGTERM)
     stopped = time.time()
     output, _ = job.communicate(timeout=120)
@@ -221,17 +211,7 @@ def test_kill_9_of_an_mpi_rank_costs_at_most_one_sync_period(tmp_path):
 
     write_config(tmp_path / "train.config", num_seqs="300", num_epochs=2,
                  options={**SYNC_EVERY_10, "cluster_resolver": "mpi", "startup_timeout": 120})
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
-               "train.config"]
-    job = subprocess.Popen(command + ["++log_verbosity", "5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    for line in job.stdout:
-        if line.startswith("[1,0]<stdout>:train epoch 1, step 12,"):
-            break
-        assert time.time() < deadline, "no step 12 within 300 s"
+    job, command, env = _mpirun_at_step(tmp_path, 12)
     rank1 = [pid for pid in _descendants(job.pid) if _environ(pid).get("OMPI_COMM_WORLD_RANK") == "1"
              and b"returnn_tpu.cli" in open(f"/proc/{pid}/cmdline", "rb").read()]  # not its data producer
     assert len(rank1) == 1
@@ -621,6 +601,23 @@ def test_max_restarts_backs_off_and_gives_up_on_bad_input(tmp_path):
     (tmp_path / "bad.config").write_text(config_12ax(train={"class": "Task12AXDataset", "num_seqs": 0}))
     result = run_cli(["--local-workers", "1", "--max-restarts", "2", "bad.config"], cwd=tmp_path)
     assert result.returncode == 2 and "restarting" not in result.stderr, result.stderr[-3000:]
+
+
+def _mpirun_at_step(tmp_path, step: int):
+    """``mpirun -np 2 returnn-tpu train.config`` in ``tmp_path``, once rank 0 has logged ``step``:
+    the job, its command (to run again) and environment."""
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
+               "train.config"]
+    job = subprocess.Popen(command + ["++log_verbosity", "5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    for line in job.stdout:
+        if line.startswith(f"[1,0]<stdout>:train epoch 1, step {step},"):
+            return job, command, env
+        assert time.time() < deadline, f"no step {step} within 300 s"
+    raise AssertionError(f"the job ended before its step {step} (status {job.wait()})")
 
 
 SYNC_EVERY_10 = {"param_sync_step": 10, "dataset_distribution": "shard"}
