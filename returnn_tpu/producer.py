@@ -491,10 +491,11 @@ def _free_block(name: str):
 _blocks_made = itertools.count()
 
 
-def remove_stale_blocks(log_file=sys.stderr):
+def remove_stale_blocks(log_file=None):
     """Removes the shared memory blocks of producers whose process is gone (a trainer killed by
     SIGKILL or the OOM killer cannot free what its producer made ahead), as stale checkpoint
-    temporaries are removed."""
+    temporaries are removed. The line goes to ``log_file``, by default the ``sys.stderr`` of the
+    moment (not of import time: a test harness or a redirected log may have replaced it)."""
     removed = 0
     for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}*_*"):
         pid = os.path.basename(path)[len(BLOCK_PREFIX):].split("_")[0]
@@ -506,7 +507,8 @@ def remove_stale_blocks(log_file=sys.stderr):
         except OSError:
             pass  # another user's, or removed meanwhile
     if removed:
-        print(f"returnn-tpu: removed {removed} shared memory blocks of data producers that are gone", file=log_file)
+        print(f"returnn-tpu: removed {removed} shared memory blocks of data producers that are gone",
+              file=log_file or sys.stderr)
 
 
 def _put_block(batches: List[dict]):

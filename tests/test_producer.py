@@ -274,3 +274,26 @@ def test_a_full_dev_shm_is_one_line(tmp_path):
     assert errors == ["returnn-tpu: error: cannot make the data producer's queue in /dev/shm (0 kB free there): No "
                       "space left on device; make /dev/shm larger (docker: --shm-size), or set "
                       "distribute_options['data_producer'] = 'thread'"], errors
+
+
+def test_blocks_of_a_gone_producer_are_removed_with_one_line_to_the_current_stderr(capsys):
+    """A trainer killed by SIGKILL leaves its producer's blocks in /dev/shm; the next start removes
+    them and says so on the stderr of that moment (a redirected or captured one, not the one of
+    import time, which may be closed by then)."""
+    from returnn_tpu.producer import BLOCK_PREFIX, remove_stale_blocks
+
+    dead_pid = 2 ** 22 + 17  # above Linux's pid_max default: no process has it
+    stale = f"/dev/shm/{BLOCK_PREFIX}{dead_pid}_0"
+    live = f"/dev/shm/{BLOCK_PREFIX}{os.getpid()}_0"
+    for path in (stale, live):
+        with open(path, "wb") as block:
+            block.write(b"\0" * 16)
+    try:
+        remove_stale_blocks()
+        assert not os.path.exists(stale)
+        assert os.path.exists(live)  # this process's own block is not touched
+        assert re.search(r"removed \d+ shared memory blocks", capsys.readouterr().err)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.remove(path)
