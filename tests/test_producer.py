@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import Code, config_12ax, run_cli
+from returnn_tpu.producer import BLOCK_PREFIX, remove_stale_blocks
 
 
 def producer_config(num_seqs: int = 37, map_seq: str = "") -> str:
@@ -280,8 +281,6 @@ def test_blocks_of_a_gone_producer_are_removed_with_one_line_to_the_current_stde
     """A trainer killed by SIGKILL leaves its producer's blocks in /dev/shm; the next start removes
     them and says so on the stderr of that moment (a redirected or captured one, not the one of
     import time, which may be closed by then)."""
-    from returnn_tpu.producer import BLOCK_PREFIX, remove_stale_blocks
-
     dead_pid = 2 ** 22 + 17  # above Linux's pid_max default: no process has it
     stale = f"/dev/shm/{BLOCK_PREFIX}{dead_pid}_0"
     live = f"/dev/shm/{BLOCK_PREFIX}{os.getpid()}_0"
