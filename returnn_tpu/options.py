@@ -326,23 +326,26 @@ def _overlap_and_quantization(options: Mapping[str, Any], checked: dict, step: i
     return kwargs
 
 
-def check_tf2_local_sgd_options(options: Mapping[str, Any]) -> Tuple[int, Optional[dict]]:
-    """The options of a TF2 program's ``LocalSGDStrategy``: the local-SGD keys of
-    ``distribute_options``, checked as there; returns ``param_sync_step`` and the outer optimizer
-    (None: plain averaging; DiLoCo's Nesterov, with its defaults filled in). The other keys are
-    refused in one line so far (the RETURNN trainer runs them)."""
-    unknown = sorted(set(options) - set(LOCAL_SGD_OPTIONS))
+def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str = "LocalSGDStrategy",
+                                multi_worker: bool = False) -> DistributeOptions:
+    """The options of a TF2 program's local-SGD strategy (``strategy_name``): the local-SGD keys of
+    ``distribute_options`` (and, across workers, ``sync_bucket_bytes``), checked as in a config.
+    The keys whose rule needs what only returnn-tpu's trainer knows are refused in one line: a
+    clock agreed between workers (``param_sync_time_diff``), the optimizer's slots
+    (``optimizer_state_at_sync``), its learning rate (SlowMo) and workers of several replicas
+    (``local_param_sync_step``)."""
+    valid = LOCAL_SGD_OPTIONS + (("sync_bucket_bytes",) if multi_worker else ())
+    unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ConfigError(f"LocalSGDStrategy has no option {unknown[0]!r}; its options: {', '.join(LOCAL_SGD_OPTIONS)}")
-    step = _positive_int("param_sync_step", options.get("param_sync_step", DEFAULT_PARAM_SYNC_STEP))
-    checked = _sync_options("local_sgd", options)  # each value and their combination, as in a config
-    later = [repr(key) for key in sorted(options) if key not in ("param_sync_step", "outer_optimizer")]
-    outer = checked.get("outer_optimizer")
-    if outer is not None and outer["class"] != "nesterov":
-        later.insert(0, f"outer_optimizer class {outer['class']!r}")
-    if later:
-        raise ConfigError(f"LocalSGDStrategy: {later[0]} is not supported for TF2 programs yet (returnn-tpu's "
-                          "trainer runs it); give param_sync_step and a 'nesterov' outer_optimizer")
-    if outer is not None:
-        outer = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9, **outer}
-    return step, outer
+        raise ConfigError(f"{strategy_name} has no option {unknown[0]!r}; its options: {', '.join(valid)}")
+    checked = DistributeOptions.from_config_values("local_sgd", options)
+    refused = [repr(key) for key in ("param_sync_time_diff", "local_param_sync_step") if options.get(key) is not None]
+    if checked.optimizer_state_at_sync != "keep":
+        refused.append(f"optimizer_state_at_sync {checked.optimizer_state_at_sync!r}")
+    if checked.outer_optimizer is not None and checked.outer_optimizer["class"] != "nesterov":
+        refused.append(f"outer_optimizer class {checked.outer_optimizer['class']!r}")
+    if refused:
+        raise ConfigError(f"{strategy_name}: {refused[0]} is not supported for TF2 programs (returnn-tpu's trainer "
+                          "runs it); param_sync_step, a 'nesterov' outer_optimizer, sync_dtype, "
+                          "sync_error_feedback, sync_fragments, sync_delay and sync_mix are")
+    return checked

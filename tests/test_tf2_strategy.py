@@ -20,8 +20,8 @@ def _data(seed=0):
 
 
 def _custom_loop(strategy, steps: int, optimizer=lambda: keras.optimizers.SGD(0.05)):
-    """TensorFlow's "Custom training with tf.distribute.Strategy" loop; the kernel's copies after
-    each step (one array per replica)."""
+    """TensorFlow's "Custom training with tf.distribute.Strategy" loop; after each step, the
+    copies of the kernel and the bias (``{"kernel": [replica 0's, replica 1's], "bias": ...}``)."""
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
         optimizer = optimizer()
@@ -46,15 +46,15 @@ def _custom_loop(strategy, steps: int, optimizer=lambda: keras.optimizers.SGD(0.
     batches, copies = iter(dataset), []
     for _ in range(steps):
         train_step(next(batches))
-        kernel = model.trainable_variables[0]
-        copies.append([c.numpy().copy() for c in strategy.experimental_local_results(getattr(kernel, "value", kernel))])
+        copies.append({name: [c.numpy().copy() for c in strategy.experimental_local_results(getattr(var, "value", var))]
+                       for name, var in zip(("kernel", "bias"), model.trainable_variables)})
     return copies
 
 
 def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updates():
     strategy = LocalSGDStrategy(DEVICES, param_sync_step=3)
     copies = _custom_loop(strategy, 6)
-    for step, (first, second) in enumerate(copies, start=1):
+    for step, (first, second) in enumerate((each["kernel"] for each in copies), start=1):
         if step % 3:  # each replica applied its own batch's gradient to its own copy
             assert not numpy.allclose(first, second), step
         else:  # the sync after update 3 and 6
@@ -67,8 +67,8 @@ def test_local_sgd_of_one_update_is_synchronous_sgd():
     gives MirroredStrategy's parameters (the loss scaling to the global batch is undone right)."""
     ours = _custom_loop(LocalSGDStrategy(DEVICES, param_sync_step=1), 3)
     theirs = _custom_loop(tf.distribute.MirroredStrategy(DEVICES), 3)
-    for (our_copy, _), (their_copy, _) in zip(ours, theirs):
-        numpy.testing.assert_allclose(our_copy, their_copy, rtol=1e-5, atol=1e-6)
+    for our_step, their_step in zip(ours, theirs):
+        numpy.testing.assert_allclose(our_step["kernel"][0], their_step["kernel"][0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -80,8 +80,8 @@ def test_diloco_with_a_sync_every_update_is_synchronous_sgd_with_the_outer_step(
     ours = _custom_loop(LocalSGDStrategy(DEVICES, param_sync_step=1, outer_optimizer=outer), 4)
     theirs = _custom_loop(tf.distribute.MirroredStrategy(DEVICES), 4,
                           optimizer=lambda: keras.optimizers.SGD(0.025, momentum=momentum, nesterov=True))
-    for (our_copy, _), (their_copy, _) in zip(ours, theirs):
-        numpy.testing.assert_allclose(our_copy, their_copy, rtol=1e-5, atol=1e-6)
+    for our_step, their_step in zip(ours, theirs):
+        numpy.testing.assert_allclose(our_step["kernel"][0], their_step["kernel"][0], rtol=1e-5, atol=1e-6)
 
 
 def test_keras_compile_fit_evaluate_and_save(tmp_path):
@@ -109,12 +109,119 @@ def test_keras_compile_fit_evaluate_and_save(tmp_path):
 @pytest.mark.parametrize("options,message", [
     ({"param_sync_step": 0}, "param_sync_step'] must be an int >= 1"),
     ({"param_sync_stepp": 4}, "LocalSGDStrategy has no option 'param_sync_stepp'"),
-    ({"sync_dtype": "int8"}, "'sync_dtype' is not supported for TF2 programs yet"),
+    ({"param_sync_time_diff": 60}, "'param_sync_time_diff' is not supported for TF2 programs"),
+    ({"optimizer_state_at_sync": "reset"}, "optimizer_state_at_sync 'reset' is not supported for TF2 programs"),
     ({"outer_optimizer": {"class": "slowmo"}}, "outer_optimizer class 'slowmo' is not supported for TF2 programs"),
+    ({"sync_error_feedback": False}, "'sync_error_feedback'] applies to sync_dtype 'int8' or 'int4'"),
+    ({"param_sync_step": 8, "sync_delay": 8}, "'sync_delay'] must be less than param_sync_step / sync_fragments"),
+    ({"sync_bucket_bytes": 2 ** 20}, "LocalSGDStrategy has no option 'sync_bucket_bytes'"),
 ])
 def test_bad_options_are_one_line(options, message):
     with pytest.raises(ConfigError, match=message.replace("[", "\\[").replace("(", "\\(")):
         LocalSGDStrategy(DEVICES, **options)
+
+
+def _numpy_local_sgd(steps: int, n: int, outer=None, quantized_bits=None, error_feedback=True, fragments=(),
+                     delay=0, mix=0.5, learning_rate=0.05):
+    """The custom loop's training written out in NumPy: 2 replicas, each applies SGD on its half
+    of each global batch of 8 to its own copy of ``y = x k + b``; fragment i (of ``fragments``,
+    lists of "kernel"/"bias"; default one of both) is synced after update ``(i + 1) n / F`` of
+    each cycle of ``n``: each replica's change since the anchor (quantized in blocks of 64 to
+    ``quantized_bits``, with error feedback), their mean, DiLoCo's Nesterov step from the anchor
+    (``outer``), applied at once or ``delay`` updates later mixed into each copy. The copies after
+    each update, as ``_custom_loop`` returns them."""
+    x, y = _data()
+    copies = [{"kernel": numpy.zeros((4, 1), "float32"), "bias": numpy.zeros(1, "float32")} for _ in range(2)]
+    anchor = {name: value.copy() for name, value in copies[0].items()}
+    momentum = {name: numpy.zeros_like(value) for name, value in anchor.items()}
+    residual = [0.0, 0.0]
+    fragments = list(fragments) or [["kernel", "bias"]]
+    ends = [round((i + 1) * n / len(fragments)) for i in range(len(fragments))]
+
+    def quantize(values):
+        qmax = 2 ** (quantized_bits - 1) - 1
+        blocks = numpy.pad(values, (0, -len(values) % 64)).reshape(-1, 64)
+        scales = numpy.abs(blocks).max(axis=1, keepdims=True) / qmax
+        levels = numpy.clip(numpy.round(numpy.divide(blocks, scales, out=numpy.zeros_like(blocks),
+                                                     where=scales > 0)), -qmax, qmax)
+        return (levels * scales).reshape(-1)[:len(values)]
+
+    def mean_change(names):
+        sent = []
+        for replica, copy in enumerate(copies):
+            change = numpy.concatenate([(copy[name] - anchor[name]).reshape(-1) for name in names])
+            if quantized_bits:
+                change = change + (residual[replica] if error_feedback else 0)
+                decoded = quantize(change)
+                residual[replica] = change - decoded
+                change = decoded
+            sent.append(change)
+        flat, parts = numpy.mean(sent, axis=0), {}
+        for name in names:
+            parts[name], flat = flat[:anchor[name].size].reshape(anchor[name].shape), flat[anchor[name].size:]
+        return parts
+
+    def new_model(change):
+        for name, value in change.items():
+            if outer:
+                lr, mu = outer["learning_rate"], outer["momentum"]
+                momentum[name] = mu * momentum[name] - value
+                anchor[name] = anchor[name] - lr * (-value + mu * momentum[name])
+            else:
+                anchor[name] = anchor[name] + value
+        return {name: anchor[name].copy() for name in change}
+
+    history, in_flight = [], None
+    for step in range(steps):
+        batch = slice(8 * (step % 8), 8 * (step % 8) + 8)
+        for replica, copy in enumerate(copies):
+            xs, ys = x[batch][4 * replica:4 * replica + 4], y[batch][4 * replica:4 * replica + 4]
+            error = xs @ copy["kernel"] + copy["bias"] - ys
+            copy["kernel"] = copy["kernel"] - learning_rate * 2 * xs.T @ error / 4
+            copy["bias"] = copy["bias"] - learning_rate * 2 * error.sum(axis=0) / 4
+        due = [i for i, end in enumerate(ends) if end == step % n + 1]
+        if in_flight is not None:
+            in_flight[1] += 1
+            if in_flight[1] >= delay or due:
+                synced = new_model(in_flight[0])
+                for copy in copies:
+                    copy.update({name: mix * copy[name] + (1 - mix) * value for name, value in synced.items()})
+                in_flight = None
+        for fragment in due:
+            change = mean_change(fragments[fragment])
+            if delay:
+                in_flight = [change, 0]
+            else:
+                synced = new_model(change)
+                for copy in copies:
+                    copy.update({name: value.copy() for name, value in synced.items()})
+        history.append({name: [copy[name].copy() for copy in copies] for name in anchor})
+    return history
+
+
+DILOCO = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}
+
+
+@pytest.mark.parametrize("options,rules", [
+    ({"param_sync_step": 4}, {}),
+    ({"param_sync_step": 4, "outer_optimizer": DILOCO}, {"outer": DILOCO}),
+    ({"param_sync_step": 4, "sync_dtype": "int4"}, {"quantized_bits": 4}),
+    ({"param_sync_step": 4, "sync_dtype": "int4", "sync_error_feedback": False},
+     {"quantized_bits": 4, "error_feedback": False}),
+    ({"param_sync_step": 4, "outer_optimizer": DILOCO, "sync_dtype": "int8"}, {"outer": DILOCO, "quantized_bits": 8}),
+    ({"param_sync_step": 4, "outer_optimizer": DILOCO, "sync_fragments": 2, "sync_delay": 1},
+     {"outer": DILOCO, "fragments": [["kernel"], ["bias"]], "delay": 1}),
+], ids=["average", "diloco", "int4", "int4_no_error_feedback", "diloco_int8", "diloco_fragments_delay"])
+def test_the_custom_loop_syncs_by_the_rules_in_numpy(options, rules):
+    """Twelve updates of TensorFlow's custom loop against :func:`_numpy_local_sgd`: every copy
+    after every update, to 1e-5 (the int4 and int8 rows round the same values alike)."""
+    ours = _custom_loop(LocalSGDStrategy(DEVICES, **options), 12)
+    theirs = _numpy_local_sgd(12, options["param_sync_step"], **rules)
+    for step, (our_step, their_step) in enumerate(zip(ours, theirs), start=1):
+        for name in ("kernel", "bias"):
+            for replica in range(2):
+                numpy.testing.assert_allclose(our_step[name][replica], their_step[name][replica], rtol=1e-5, atol=1e-5,
+                                              err_msg=f"{name}, replica {replica}, after update {step}")
 
 
 WORKER_PROGRAM = """

@@ -5,14 +5,13 @@ Knows nothing of RETURNN: importable and testable without it.
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import tensorflow as tf
 
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
-from returnn_tpu.strategies.devices import local_replica_devices
+from returnn_tpu.strategies.devices import local_replica_devices, own_collective_key_base
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
                                                  TrainerMultiWorkerLocalSGDStrategy)
@@ -34,23 +33,13 @@ __all__ = [
 ]
 
 
-_STRATEGIES_MADE = itertools.count()  # by this process, through make_strategy
-
-
 def _with_own_collective_keys(cls, *args, **kwargs):
-    """``cls(*args)`` with collective keys no other strategy of this process uses.
-
-    Mirrored strategies number their collective instances from ``_collective_key_base``, which
-    TensorFlow means to be set in tests only; two strategies in one process would reuse the keys
-    and TensorFlow would match up unrelated all-reduces (FACTS.md, "Collective keys"). A training
-    run makes one strategy, which keeps TensorFlow's numbering; a process that makes more (the
-    tests, ``--check``, benchmarks) gives each later one a base of its own.
-    """
-    made_before = next(_STRATEGIES_MADE)
-    if made_before == 0:
-        return cls(*args, **kwargs)
+    """``cls(*args)`` with collective keys no other strategy of this process uses
+    (:func:`own_collective_key_base`). A training run makes one strategy, which keeps
+    TensorFlow's numbering; a process that makes more (the tests, ``--check``, benchmarks) gives
+    each later one a base of its own."""
     strategy = cls.__new__(cls)
-    strategy._collective_key_base = made_before * 100_000
+    strategy._collective_key_base = own_collective_key_base()
     strategy.__init__(*args, **kwargs)
     return strategy
 

@@ -1,7 +1,8 @@
-"""Which local devices the replicas run on."""
+"""Which local devices the replicas run on, and how their collectives are numbered."""
 
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional
 
 import tensorflow as tf
@@ -38,3 +39,18 @@ def local_replica_devices(num_replicas: Optional[int]) -> List[str]:
             f"{available} CPU devices; start a new process"
         )
     return [f"/cpu:{i}" for i in range(num_replicas)]
+
+
+_STRATEGIES_MADE = itertools.count()  # by this process, with a collective key base of their own
+KEYS_PER_STRATEGY = 100_000
+
+
+def own_collective_key_base() -> int:
+    """A ``_collective_key_base`` no other strategy of this process has been given: 0 for the
+    first (TensorFlow's own numbering), then steps of :data:`KEYS_PER_STRATEGY`.
+
+    Mirrored strategies number their collective groups from ``_collective_key_base``, which
+    TensorFlow means to be set in tests only; two strategies in one process would reuse the keys
+    and TensorFlow, which keeps each collective instance's shape for the process's life, would
+    match up unrelated all-reduces (FACTS.md, "Collective keys")."""
+    return next(_STRATEGIES_MADE) * KEYS_PER_STRATEGY

@@ -14,12 +14,13 @@ happens in a training step. The variables are ordinary ``MirroredVariable`` obje
 
 from __future__ import annotations
 
-from typing import Optional
 
 import keras
 import tensorflow as tf
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values as values_lib
+
+from returnn_tpu.strategies.devices import KEYS_PER_STRATEGY, own_collective_key_base
 
 
 class LocalSGDExtendedMixin:
@@ -55,56 +56,67 @@ class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended
 
 class ScheduledLocalSGDMixin:
     """What makes an extended that a TF2 or Keras program trains with local SGD: it gives
-    TensorFlow's and Keras' own update path local-SGD semantics and owns the schedule
-    (docs/FACTS.md, "Local SGD for TF2 programs").
+    TensorFlow's and Keras' own update path local-SGD semantics, owns the schedule and combines
+    the copies with :mod:`returnn_tpu.sync`'s rules, those of the RETURNN trainer (docs/FACTS.md,
+    "Local SGD for TF2 programs").
 
     * A replica-context all-reduce of gradients (Keras' optimizers sum the replicas' gradients
       with ``ReplicaContext.all_reduce``, which reaches :meth:`batch_reduce_to` in a
       ``merge_call``) leaves each replica its own: a SUM of gradients of a loss scaled to the
       global batch (``tf.nn.compute_average_loss``, Keras' ``scale_loss``) is the replica's own
-      batch's mean gradient, so ``extended.update`` applies it to the replica's own copy.
-    * Every such all-reduce is one update; after the update of every ``param_sync_step``-th one,
-      each trainable variable's copies are averaged over all replicas as it is updated
-      (:meth:`_update`).
-    * :meth:`sync_now` averages every trainable variable at once (before evaluating, saving or
+      batch's mean gradient, so ``extended.update`` applies it to the replica's own copy. Such an
+      all-reduce marks the ``strategy.run`` it happens in as an update.
+    * After every ``strategy.run`` that made an update (:meth:`_call_for_each_replica`), the
+      schedule counts it, and the fragments due are synced by a second ``strategy.run`` in the
+      same program, under ``tf.cond``: ``sync_fragments`` F splits the trainable variables into F
+      fragments, fragment i synced after update ``(i + 1) * N / F`` of each cycle of
+      ``param_sync_step`` N updates (:class:`returnn_tpu.sync.SyncSchedule`'s rule); with
+      ``sync_delay`` d, a sync's mean is taken after its update and applied d updates later.
+    * How copies combine is :func:`returnn_tpu.sync.make_averaging`'s object for the options:
+      plain averaging, DiLoCo's Nesterov outer step, ``sync_dtype`` (int8/int4 with error
+      feedback), ``sync_mix``. Its state (anchors, outer momenta, residuals) is made beside each
+      trainable variable as the variable is made in the scope.
+    * :meth:`sync_now` combines every trainable variable at once (before evaluating, saving or
       reading the model in cross-replica context, which sees the first replica's copy).
 
-    * With an ``outer_optimizer`` (DiLoCo's Nesterov), the copies' mean is not the new model:
-      the outer gradient ``g = anchor - mean`` takes a Nesterov momentum step from the anchor
-      (``m = momentum * m + g``, ``new = anchor - learning_rate * (g + momentum * m)``, the
-      trainer's rule), and the anchor and ``m`` are this extended's variables, one each per
-      trainable variable, made beside it in the scope (:attr:`outer_state`).
-
-    The other local-SGD options are the RETURNN trainer's so far (:class:`TrainerLocalSGDStrategy`).
     Concrete extendeds call :meth:`_start_schedule` after their base's ``__init__`` (a
     multi-worker one must create no variable before it).
     """
 
-    def _start_schedule(self, param_sync_step: int, outer_optimizer: Optional[dict] = None):
-        self.param_sync_step = param_sync_step
-        self.outer_optimizer = outer_optimizer
-        # Outside the strategy's scope (plain host variables): the updates so far, the syncs made.
-        self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/updates")
-        self._syncs = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_sgd/syncs")
-        self._synced_variables = []  # the trainable variables made in the scope
-        self.outer_state = {}  # id of a synced variable -> (its anchor, its outer momentum)
+    def _start_schedule(self, options):
+        """``options``: the checked :class:`returnn_tpu.options.DistributeOptions`."""
+        from returnn_tpu.sync import SyncSchedule, make_averaging
+
+        self.param_sync_step = options.param_sync_step
+        self.sync_delay = options.sync_delay
+        self.averaging = make_averaging(options)
+        self._fragment_ends = SyncSchedule(options.param_sync_step, fragments=options.sync_fragments).fragment_ends
+        self._syncing = False  # while a sync's own run is built: its all-reduces reduce
+
+        def counter(name, value=0):  # plain host variables, outside the strategy's scope
+            return tf.Variable(value, dtype=tf.int64, trainable=False, name=f"local_sgd/{name}")
+
+        self._updates, self._updates_scheduled = counter("updates"), counter("updates_scheduled")
+        self._cycle = counter("updates_in_cycle")
+        self._in_flight, self._updates_in_flight = counter("fragment_in_flight", -1), counter("updates_in_flight")
+        self._syncs, self._bytes = counter("syncs"), counter("bytes")
+        self._synced_variables = {}  # key (creation order) -> a trainable variable made in the scope
 
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
-        if kwargs.get("trainable", True):
-            self._synced_variables.append(var)
-            if self.outer_optimizer is not None:
-                name = var.name.split(":")[0]
-                anchor = super()._create_variable(next_creator, initial_value=lambda: tf.identity(var.read_value()),
-                                                  trainable=False, name=f"{name}/local_sgd_anchor")
-                momentum = super()._create_variable(next_creator, initial_value=lambda: tf.zeros(var.shape, var.dtype),
-                                                    trainable=False, name=f"{name}/local_sgd_momentum")
-                self.outer_state[id(var)] = (anchor, momentum)
+        if kwargs.get("trainable", True) and not self._syncing:
+            key = f"{len(self._synced_variables):06d}_{var.name.split(':')[0]}"
+            self._synced_variables[key] = var
+            self.averaging.create_state(self._container_strategy(), {key: var})
+            if key in self.averaging.anchors:
+                with tf.init_scope():  # once, as the variable is made, also when made in a traced step
+                    self.averaging.anchors[key].assign(tf.cast(var.read_value(), tf.float32))
         return var
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        if self._syncing:
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         self._updates.assign_add(1)
-        tf.cond(self._sync_due(), lambda: self._syncs.assign_add(1), lambda: self._syncs.read_value())
         scale = self._num_replicas_in_sync if reduce_op == tf.distribute.ReduceOp.SUM else 1
         own = []
         for value, _ in value_destination_pairs:
@@ -112,59 +124,110 @@ class ScheduledLocalSGDMixin:
             own.append(values_lib.PerReplica(tuple(copy * scale for copy in copies)))
         return own
 
-    def _update(self, var, fn, args, kwargs, group):
-        result = super()._update(var, fn, args, kwargs, group)
-        if not any(var is synced for synced in self._synced_variables):
-            return result
-        with tf.control_dependencies([op for op in tf.nest.flatten(result) if op is not None]):
-            tf.cond(self._sync_due(), lambda: self._average(var), lambda: tf.constant(False))
+    def _call_for_each_replica(self, fn, args, kwargs):
+        result = super()._call_for_each_replica(fn, args, kwargs)
+        if not self._syncing:
+            _when(self._updates > self._updates_scheduled, self._count_update)
         return result
 
-    def _sync_due(self) -> tf.Tensor:
-        return tf.equal(self._updates % self.param_sync_step, 0)
+    # ---- the schedule (cross-replica context; the same decisions on every worker) -------------
 
-    def _average(self, var) -> tf.Tensor:
-        """Sets every copy of ``var`` (of all workers) to the copies' mean. The copies are reduced
-        as a per-replica value: reduced as a mirrored variable, they would be taken as equal."""
-        copies = var.values
-        mean = self.reduce_to(tf.distribute.ReduceOp.MEAN, values_lib.PerReplica(tuple(c.read_value() for c in copies)),
-                              destinations=var)
-        new_values = self._local_results(mean)
-        if self.outer_optimizer is not None:
-            new_values = self._outer_step(var, new_values)
-        for copy, value in zip(copies, new_values):
-            with tf.device(copy.device):
-                copy.assign(value)
-        return tf.constant(True)
+    def _count_update(self):
+        """One update made: the syncs due after it (the tf.cond branch after a ``strategy.run``)."""
+        self._updates_scheduled.assign(self._updates)
+        cycle = self._cycle.assign_add(1)
+        due = [tf.equal(cycle, end) for end in self._fragment_ends]
+        with tf.control_dependencies(due):
+            self._cycle.assign(tf.where(cycle >= self.param_sync_step, tf.constant(0, tf.int64), cycle))
+        if self.sync_delay:
+            self._apply_in_flight(flush=tf.reduce_any(due))
+        for fragment, fragment_due in enumerate(due):
+            start = self._start_overlapped if self.sync_delay else self._sync_fragment
+            _when(fragment_due, lambda fragment=fragment: start(fragment))
 
-    def _outer_step(self, var, means) -> list:
-        """DiLoCo's Nesterov step from each copy's anchor with the outer gradient ``anchor - mean``;
-        the new model, per local copy (anchors and momenta updated, the same on every replica)."""
-        learning_rate, momentum = self.outer_optimizer["learning_rate"], self.outer_optimizer["momentum"]
-        anchor, outer_momentum = self.outer_state[id(var)]
-        new_values = []
-        for anchor_copy, momentum_copy, mean in zip(anchor.values, outer_momentum.values, means):
-            with tf.device(anchor_copy.device):
-                grad = anchor_copy.read_value() - mean
-                moved = momentum_copy.assign(momentum * momentum_copy + grad)
-                new = anchor_copy.read_value() - learning_rate * (grad + momentum * moved)
-                new_values.append(anchor_copy.assign(new))
-        return new_values
+    def _apply_in_flight(self, flush):
+        """Overlapped syncs: applies the sync in flight once it has been in flight ``sync_delay``
+        updates, or before a new one starts (``flush``)."""
+        in_flight = self._in_flight.read_value()
+        waited = tf.where(in_flight >= 0, self._updates_in_flight.assign_add(1), tf.constant(0, tf.int64))
+        ready = tf.logical_and(in_flight >= 0, tf.logical_or(waited >= self.sync_delay, flush))
+        for fragment in range(len(self._fragment_ends)):
+            _when(tf.logical_and(ready, tf.equal(in_flight, fragment)),
+                  lambda fragment=fragment: self._finish_overlapped(fragment))
+
+    def _fragments(self):
+        """The trainable variables (key -> variable) of each fragment, split as the trainer splits."""
+        from returnn_tpu.sync import split_into_fragments
+
+        sizes = {key: var.shape.num_elements() * var.dtype.size for key, var in self._synced_variables.items()}
+        return [{key: self._synced_variables[key] for key in keys}
+                for keys in split_into_fragments(sizes, len(self._fragment_ends))]
+
+    def _in_replicas(self, sync_in_replica):
+        """Runs ``sync_in_replica(strategy)`` in replica context on every replica, its all-reduces
+        reducing (the sync's own ``strategy.run``)."""
+        strategy = self._container_strategy()
+        self._syncing = True
+        try:
+            super()._call_for_each_replica(lambda: sync_in_replica(strategy), (), {})
+        finally:
+            self._syncing = False
+
+    def _sync_fragment(self, fragment: int):
+        from returnn_tpu.sync import mean_over_all_replicas
+
+        variables = self._fragments()[fragment]
+        self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
+            strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))
+        self._count_sync(variables)
+
+    def _start_overlapped(self, fragment: int):
+        variables = self._fragments()[fragment]
+
+        def snapshot_and_reduce(strategy):
+            self.averaging.snapshot_in_replica(strategy, variables)
+            self.averaging.reduce_in_replica(strategy, list(variables))
+
+        self._in_replicas(snapshot_and_reduce)
+        self._in_flight.assign(fragment)
+        self._updates_in_flight.assign(0)
+        self._count_sync(variables)
+
+    def _finish_overlapped(self, fragment: int):
+        variables = self._fragments()[fragment]
+        self._in_replicas(lambda strategy: self.averaging.apply_in_replica(
+            strategy, variables, learning_rate=tf.constant(1.0)))
+        self._in_flight.assign(-1)
+
+    def _count_sync(self, variables):
+        local_copies = len(self.worker_devices)
+        self._syncs.assign_add(1)
+        self._bytes.assign_add(local_copies * self.averaging.bytes_per_replica(variables))
+
+    # ---- the public surface ------------------------------------------------------------------
 
     def sync_now(self):
-        """Combines every trainable variable's copies now (cross-replica context; with several
-        workers, every worker calls it at the same point), as a scheduled sync does."""
-        for var in self._synced_variables:
-            self._average(var)
-        self._syncs.assign_add(1)
+        """Combines every trainable variable's copies now, after applying a sync in flight
+        (cross-replica context; with several workers, every worker calls it at the same point),
+        and starts a new cycle of the schedule."""
+        if self.sync_delay:
+            self._apply_in_flight(flush=tf.constant(True))
+        for fragment in range(len(self._fragment_ends)):
+            self._sync_fragment(fragment)
+        self._cycle.assign(0)
 
     @property
     def sync_stats(self) -> dict:
-        """The updates made, the syncs (each combines every trainable variable) and the bytes this
-        worker handed to their all-reduces (its local copies of every trainable variable)."""
-        syncs = int(self._syncs.numpy())
-        per_sync = sum(len(var.values) * var.shape.num_elements() * var.dtype.size for var in self._synced_variables)
-        return {"updates": int(self._updates.numpy()), "syncs": syncs, "bytes": syncs * per_sync}
+        """The updates made, the syncs (each combines one fragment, all trainable variables
+        without ``sync_fragments``) and the bytes this worker's replicas handed to them."""
+        return {"updates": int(self._updates.numpy()), "syncs": int(self._syncs.numpy()),
+                "bytes": int(self._bytes.numpy())}
+
+
+def _when(condition: tf.Tensor, action):
+    """Runs ``action()`` (which returns nothing) where ``condition`` holds, in a traced program
+    as a ``tf.cond``, eagerly as Python."""
+    tf.cond(condition, lambda: action() and None, lambda: None)
 
 
 class SyncCallback(keras.callbacks.Callback):
@@ -186,9 +249,9 @@ class SyncCallback(keras.callbacks.Callback):
 class ScheduledLocalSGDExtended(ScheduledLocalSGDMixin, LocalSGDExtended):
     """:class:`ScheduledLocalSGDMixin` over the devices of one machine."""
 
-    def __init__(self, container_strategy, devices, param_sync_step: int, outer_optimizer: Optional[dict] = None):
+    def __init__(self, container_strategy, devices, options):
         super().__init__(container_strategy, devices=devices)
-        self._start_schedule(param_sync_step, outer_optimizer)
+        self._start_schedule(options)
 
 
 class TrainerLocalSGDStrategy(tf.distribute.Strategy):
@@ -220,8 +283,10 @@ class LocalSGDStrategy(tf.distribute.Strategy):
     of ``tf.distribute.MirroredStrategy`` (:class:`ScheduledLocalSGDExtended`).
 
     ``local_sgd_options`` are the local-SGD keys of ``distribute_options``, with their names,
-    defaults and checks; so far ``param_sync_step`` (default 100) and ``outer_optimizer`` (DiLoCo's
-    ``{"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9}``):
+    defaults and checks (:func:`returnn_tpu.options.check_tf2_local_sgd_options`):
+    ``param_sync_step`` (default 100), ``outer_optimizer`` (DiLoCo's ``{"class": "nesterov",
+    "learning_rate": 0.7, "momentum": 0.9}``), ``sync_dtype``, ``sync_error_feedback``,
+    ``sync_fragments``, ``sync_delay`` and ``sync_mix``:
 
     >>> strategy = LocalSGDStrategy(["/cpu:0", "/cpu:1"], param_sync_step=16)  # doctest: +SKIP
     >>> with strategy.scope():  # doctest: +SKIP
@@ -230,10 +295,10 @@ class LocalSGDStrategy(tf.distribute.Strategy):
     >>> strategy.extended.sync_now(); model.save("model.keras")  # doctest: +SKIP
     """
 
-    _collective_key_base = 0  # read by MirroredExtended, as on MirroredStrategy
-
     def __init__(self, devices=None, **local_sgd_options):
         from returnn_tpu.options import check_tf2_local_sgd_options
 
-        step, outer = check_tf2_local_sgd_options(local_sgd_options)
-        super().__init__(ScheduledLocalSGDExtended(self, devices, step, outer))
+        # Read by MirroredExtended. Half a step off the trainer's strategies' bases, so that a
+        # MirroredStrategy of the same program (base 0, TensorFlow's) reuses none of its keys.
+        self._collective_key_base = own_collective_key_base() + KEYS_PER_STRATEGY // 2
+        super().__init__(ScheduledLocalSGDExtended(self, devices, check_tf2_local_sgd_options(local_sgd_options)))

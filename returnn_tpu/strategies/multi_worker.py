@@ -118,27 +118,26 @@ class TrainerMultiWorkerLocalSGDStrategy(_MultiWorkerStrategy):
 class ScheduledMultiWorkerLocalSGDExtended(ScheduledLocalSGDMixin, MultiWorkerLocalSGDExtended):
     """:class:`ScheduledLocalSGDMixin` over all replicas of all workers."""
 
-    def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float, param_sync_step: int,
-                 outer_optimizer=None):
-        super().__init__(container_strategy, cluster_resolver, options, startup_timeout)
-        self._start_schedule(param_sync_step, outer_optimizer)
+    def __init__(self, container_strategy, cluster_resolver, communication, startup_timeout: float, local_sgd_options):
+        super().__init__(container_strategy, cluster_resolver, communication, startup_timeout)
+        self._start_schedule(local_sgd_options)
 
 
 class MultiWorkerLocalSGDStrategy(car.CollectiveAllReduceStrategy):
     """Local SGD across workers for a TF2 or Keras program: a drop-in replacement of
     ``tf.distribute.MultiWorkerMirroredStrategy`` (``TF_CONFIG``, or ``cluster_resolver``), whose
-    copies are averaged over all workers every ``param_sync_step`` updates
+    copies are combined over all workers on local SGD's schedule
     (:class:`returnn_tpu.strategies.local_sgd.ScheduledLocalSGDMixin`).
 
-    ``local_sgd_options`` are the local-SGD keys of ``distribute_options``; so far
-    ``param_sync_step`` (default 100) and a Nesterov ``outer_optimizer`` (DiLoCo). A start-up that takes longer than ``startup_timeout``
-    seconds ends with an error naming the missing workers.
+    ``local_sgd_options`` are those of :class:`returnn_tpu.strategies.LocalSGDStrategy`, and
+    ``sync_bucket_bytes`` (the size of the all-reduces between workers). A start-up that takes
+    longer than ``startup_timeout`` seconds ends with an error naming the missing workers.
     """
 
     def __init__(self, cluster_resolver=None, startup_timeout: float = 300.0, **local_sgd_options):
-        from returnn_tpu.options import DistributeOptions, check_tf2_local_sgd_options
+        from returnn_tpu.options import check_tf2_local_sgd_options
 
-        step, outer = check_tf2_local_sgd_options(local_sgd_options)
-        options = communication_options(None, DistributeOptions.sync_bucket_bytes)
-        extended = ScheduledMultiWorkerLocalSGDExtended(self, cluster_resolver, options, startup_timeout, step, outer)
+        options = check_tf2_local_sgd_options(local_sgd_options, "MultiWorkerLocalSGDStrategy", multi_worker=True)
+        communication = communication_options(None, options.sync_bucket_bytes)
+        extended = ScheduledMultiWorkerLocalSGDExtended(self, cluster_resolver, communication, startup_timeout, options)
         tf.distribute.Strategy.__init__(self, extended)  # skip CollectiveAllReduceStrategy.__init__
