@@ -16,6 +16,7 @@ RUNS = {
     "corpus.py": ["--smoke"],
     "data_pipeline.py": ["--smoke"],
     "data_scale.py": ["--smoke"],
+    "keras_local_sgd.py": ["--smoke"],
     "epoch_time.py": [TINY_CONFIG, "--smoke"],
     "local_sgd_quality.py": ["--smoke"],
     "lm_quality.py": ["--smoke"],

@@ -101,6 +101,7 @@ class ScheduledLocalSGDMixin:
         self._in_flight, self._updates_in_flight = counter("fragment_in_flight", -1), counter("updates_in_flight")
         self._syncs, self._bytes = counter("syncs"), counter("bytes")
         self._synced_variables = {}  # key (creation order) -> a trainable variable made in the scope
+        self._sync_now_traced = None  # (variables when traced, sync_now's program)
 
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
@@ -209,7 +210,16 @@ class ScheduledLocalSGDMixin:
     def sync_now(self):
         """Combines every trainable variable's copies now, after applying a sync in flight
         (cross-replica context; with several workers, every worker calls it at the same point),
-        and starts a new cycle of the schedule."""
+        and starts a new cycle of the schedule. Called eagerly, it runs one traced program, traced
+        again only when trainable variables were added (an eager ``strategy.run`` would trace
+        its function at every call)."""
+        if not tf.executing_eagerly():
+            return self._sync_all()
+        if self._sync_now_traced is None or self._sync_now_traced[0] != len(self._synced_variables):
+            self._sync_now_traced = (len(self._synced_variables), tf.function(self._sync_all, autograph=False))
+        return self._sync_now_traced[1]()
+
+    def _sync_all(self):
         if self.sync_delay:
             self._apply_in_flight(flush=tf.constant(True))
         for fragment in range(len(self._fragment_ends)):
