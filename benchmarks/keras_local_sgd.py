@@ -77,13 +77,13 @@ def main():
 
     import tensorflow as tf
 
-    from returnn_tpu.strategies import LocalSGDStrategy
+    from returnn_tpu.strategies import LocalSGDStrategy, with_own_collective_keys
 
     sizes = dict(epochs=args.epochs, num_examples=args.examples, batch_size=args.batch_size, width=args.width)
     rates = {"mirrored": [], "local_sgd_16": []}
     for round_ in range(1, args.rounds + 1):
         for name in rates:
-            strategy = tf.distribute.MirroredStrategy(devices) if name == "mirrored" else \
+            strategy = with_own_collective_keys(tf.distribute.MirroredStrategy, devices) if name == "mirrored" else \
                 LocalSGDStrategy(devices, param_sync_step=16)
             rates[name].append(steps_per_second(example, strategy, **sizes))
             print(f"round {round_}: {name} {rates[name][-1]:.1f} steps/s", flush=True)

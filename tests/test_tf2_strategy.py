@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.strategies import LocalSGDStrategy, SyncCallback
+from returnn_tpu.strategies import LocalSGDStrategy, SyncCallback, with_own_collective_keys
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 GLOBAL_BATCH = 8
@@ -66,7 +66,7 @@ def test_local_sgd_of_one_update_is_synchronous_sgd():
     """The mean of each replica's SGD step from one model is SGD on the mean gradient: N = 1
     gives MirroredStrategy's parameters (the loss scaling to the global batch is undone right)."""
     ours = _custom_loop(LocalSGDStrategy(DEVICES, param_sync_step=1), 3)
-    theirs = _custom_loop(tf.distribute.MirroredStrategy(DEVICES), 3)
+    theirs = _custom_loop(with_own_collective_keys(tf.distribute.MirroredStrategy, DEVICES), 3)
     for our_step, their_step in zip(ours, theirs):
         numpy.testing.assert_allclose(our_step["kernel"][0], their_step["kernel"][0], rtol=1e-5, atol=1e-6)
 
@@ -78,7 +78,7 @@ def test_diloco_with_a_sync_every_update_is_synchronous_sgd_with_the_outer_step(
     0.5 * 0.05 on the mean gradient: MirroredStrategy with that optimizer, to 1e-5."""
     outer = {"class": "nesterov", "learning_rate": 0.5, "momentum": momentum}
     ours = _custom_loop(LocalSGDStrategy(DEVICES, param_sync_step=1, outer_optimizer=outer), 4)
-    theirs = _custom_loop(tf.distribute.MirroredStrategy(DEVICES), 4,
+    theirs = _custom_loop(with_own_collective_keys(tf.distribute.MirroredStrategy, DEVICES), 4,
                           optimizer=lambda: keras.optimizers.SGD(0.025, momentum=momentum, nesterov=True))
     for our_step, their_step in zip(ours, theirs):
         numpy.testing.assert_allclose(our_step["kernel"][0], their_step["kernel"][0], rtol=1e-5, atol=1e-6)
@@ -127,7 +127,7 @@ def test_the_keras_example_classifies_as_well_as_with_mirrored_strategy(tmp_path
     example = _example()
     local = LocalSGDStrategy(DEVICES, param_sync_step=8)
     ours = example.train(local, epochs=2, num_examples=4096, model_path=str(tmp_path / "local.keras"))
-    theirs = example.train(tf.distribute.MirroredStrategy(DEVICES), epochs=2, num_examples=4096)
+    theirs = example.train(with_own_collective_keys(tf.distribute.MirroredStrategy, DEVICES), epochs=2, num_examples=4096)
     print(f"test accuracy: local SGD {ours:.4f}, MirroredStrategy {theirs:.4f}")
     assert theirs > 0.7 and abs(ours - theirs) <= 0.02
     assert local.extended.sync_stats["syncs"] >= 2 * 4096 // 128 // 8

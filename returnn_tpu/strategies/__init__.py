@@ -30,14 +30,16 @@ __all__ = [
     "syncs_in_step",
     "local_replica_devices",
     "distribute_local_values",
+    "with_own_collective_keys",
 ]
 
 
-def _with_own_collective_keys(cls, *args, **kwargs):
-    """``cls(*args)`` with collective keys no other strategy of this process uses
-    (:func:`own_collective_key_base`). A training run makes one strategy, which keeps
-    TensorFlow's numbering; a process that makes more (the tests, ``--check``, benchmarks) gives
-    each later one a base of its own."""
+def with_own_collective_keys(cls, *args, **kwargs):
+    """``cls(*args)`` (a mirrored strategy: TensorFlow's or ours) with collective keys no other
+    strategy of this process uses (:func:`own_collective_key_base`). A training run makes one
+    strategy, which keeps TensorFlow's numbering; a process that makes more (the tests,
+    ``--check``, benchmarks, a TF2 program comparing strategies) gives each later one a base of
+    its own."""
     strategy = cls.__new__(cls)
     strategy._collective_key_base = own_collective_key_base()
     strategy.__init__(*args, **kwargs)
@@ -53,7 +55,7 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     multi_worker = cluster is not None and cluster.num_workers > 1
     if options.strategy == "multi_worker_mirrored" or (options.strategy == "local_sgd" and multi_worker):
         cls = TrainerMultiWorkerLocalSGDStrategy if options.strategy == "local_sgd" else MultiWorkerMirroredStrategy
-        return _with_own_collective_keys(
+        return with_own_collective_keys(
             cls,
             cluster.resolver if cluster else None,
             collective_timeout=options.collective_timeout,
@@ -64,15 +66,15 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
         if options.strategy == "local_sgd_tpu" and options.cluster_resolver == "local":
             # The TPU program's in-step sync, on local devices: to run the TPU path without a TPU.
             devices = local_replica_devices(options.num_replicas)
-            return _with_own_collective_keys(TrainerLocalSGDStrategy, devices, in_step_sync=True)
+            return with_own_collective_keys(TrainerLocalSGDStrategy, devices, in_step_sync=True)
         return make_tpu_strategy(options.strategy)
     devices = local_replica_devices(options.num_replicas)
     if options.strategy == "single":
         return tf.distribute.OneDeviceStrategy(devices[0])
     if options.strategy == "mirrored":
-        return _with_own_collective_keys(tf.distribute.MirroredStrategy, devices)
+        return with_own_collective_keys(tf.distribute.MirroredStrategy, devices)
     if options.strategy == "local_sgd":
-        return _with_own_collective_keys(TrainerLocalSGDStrategy, devices)
+        return with_own_collective_keys(TrainerLocalSGDStrategy, devices)
     raise AssertionError(f"unhandled distribute_strategy {options.strategy!r}")  # options.py validated it
 
 
