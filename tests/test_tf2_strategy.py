@@ -259,7 +259,8 @@ import json, sys
 import numpy, tensorflow as tf, keras
 from returnn_tpu.strategies import MultiWorkerLocalSGDStrategy
 
-strategy = MultiWorkerLocalSGDStrategy(param_sync_step=3)  # TF_CONFIG
+strategy = MultiWorkerLocalSGDStrategy(  # TF_CONFIG
+    param_sync_step=3, sync_dtype="int8", outer_optimizer={"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5})
 worker = json.loads(__import__("os").environ["TF_CONFIG"])["task"]["index"]
 with strategy.scope():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
@@ -286,9 +287,10 @@ print("stats", json.dumps(strategy.extended.sync_stats), flush=True)
 
 
 @pytest.mark.slow
-def test_two_workers_train_local_copies_and_average_every_n_updates(tmp_path):
-    """``MultiWorkerLocalSGDStrategy`` in two processes (``TF_CONFIG`` on 127.0.0.1), each on its
-    own data: their kernels differ between syncs and are equal after updates 3 and 6."""
+def test_two_workers_train_local_copies_and_combine_them_every_n_updates(tmp_path):
+    """``MultiWorkerLocalSGDStrategy`` (DiLoCo, int8 syncs) in two processes (``TF_CONFIG`` on
+    127.0.0.1), each on its own data: their kernels differ between syncs and are equal after
+    updates 3 and 6."""
     import json
     import os
     import subprocess
@@ -313,4 +315,5 @@ def test_two_workers_train_local_copies_and_average_every_n_updates(tmp_path):
             assert not numpy.allclose(kernels[0][step], kernels[1][step]), step
         else:
             numpy.testing.assert_allclose(kernels[0][step], kernels[1][step], rtol=1e-6)
-    assert all('stats {"updates": 6, "syncs": 2, "bytes": 40}' in output for output in outputs)
+    # int8: 5 values in one block of 16 words and a scale, 68 bytes a sync
+    assert all('stats {"updates": 6, "syncs": 2, "bytes": 136}' in output for output in outputs)
