@@ -19,36 +19,51 @@ def _data(seed=0):
     return x, (x @ numpy.array([[1.0], [-2.0], [0.5], [3.0]], "float32")).astype("float32")
 
 
+class _TutorialLoop:
+    """TensorFlow's "Custom training with tf.distribute.Strategy" loop, with a linear model."""
+
+    def __init__(self, strategy, optimizer=lambda: keras.optimizers.SGD(0.05)):
+        self.strategy = strategy
+        with strategy.scope():
+            self.model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+            self.optimizer = optimizer()
+            # Its slots made here: made in the first traced step, Keras' momentum slots under
+            # MirroredStrategy fail ("You must feed a value for placeholder tensor 'cond/...'").
+            self.optimizer.build(self.model.trainable_variables)
+        self.batches = iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices(_data()).batch(GLOBAL_BATCH).repeat()))
+        model, optimizer = self.model, self.optimizer
+
+        @tf.function
+        def train_step(inputs):
+            def step_fn(x, y):
+                with tf.GradientTape() as tape:
+                    per_example_loss = tf.square(model(x, training=True) - y)[:, 0]
+                    loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(step_fn, args=inputs), axis=None)
+
+        self.train_step = train_step
+
+    def train(self, steps: int) -> list:
+        """After each step, the copies of the kernel and the bias (``{"kernel": [replica 0's,
+        replica 1's], "bias": ...}``)."""
+        copies = []
+        for _ in range(steps):
+            self.train_step(next(self.batches))
+            copies.append(self.copies())
+        return copies
+
+    def copies(self) -> dict:
+        return {name: [c.numpy().copy() for c in self.strategy.experimental_local_results(getattr(var, "value", var))]
+                for name, var in zip(("kernel", "bias"), self.model.trainable_variables)}
+
+
 def _custom_loop(strategy, steps: int, optimizer=lambda: keras.optimizers.SGD(0.05)):
-    """TensorFlow's "Custom training with tf.distribute.Strategy" loop; after each step, the
-    copies of the kernel and the bias (``{"kernel": [replica 0's, replica 1's], "bias": ...}``)."""
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
-        optimizer = optimizer()
-        # Its slots made here: made in the first traced step, Keras' momentum slots under
-        # MirroredStrategy fail ("You must feed a value for placeholder tensor 'cond/...'").
-        optimizer.build(model.trainable_variables)
-    dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices(_data()).batch(GLOBAL_BATCH).repeat())
-
-    @tf.function
-    def train_step(inputs):
-        def step_fn(x, y):
-            with tf.GradientTape() as tape:
-                per_example_loss = tf.square(model(x, training=True) - y)[:, 0]
-                loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(step_fn, args=inputs), axis=None)
-
-    batches, copies = iter(dataset), []
-    for _ in range(steps):
-        train_step(next(batches))
-        copies.append({name: [c.numpy().copy() for c in strategy.experimental_local_results(getattr(var, "value", var))]
-                       for name, var in zip(("kernel", "bias"), model.trainable_variables)})
-    return copies
+    return _TutorialLoop(strategy, optimizer).train(steps)
 
 
 def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updates():
@@ -104,6 +119,29 @@ def test_keras_compile_fit_evaluate_and_save(tmp_path):
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
     numpy.testing.assert_array_equal(loaded.get_weights()[0], first)
+
+
+def test_a_checkpoint_after_sync_now_resumes_diloco_where_it_stopped(tmp_path):
+    """``tf.train.Checkpoint`` of the model, the optimizer and the extended's
+    ``checkpoint_state`` (DiLoCo's anchors and momenta), saved after ``sync_now``: a new program
+    that restores it trains on exactly as the one that saved it (and without the state, not)."""
+    options = {"param_sync_step": 4, "outer_optimizer": DILOCO}
+    first = _TutorialLoop(LocalSGDStrategy(DEVICES, **options))
+    first.train(6)
+    first.strategy.extended.sync_now()
+    checkpoint = tf.train.Checkpoint(model=first.model, optimizer=first.optimizer,
+                                     local_sgd=first.strategy.extended.checkpoint_state)
+    path = checkpoint.save(tmp_path / "ckpt")
+    expected = first.train(6)[-1]
+    for with_state in (True, False):
+        resumed = _TutorialLoop(LocalSGDStrategy(DEVICES, **options))
+        state = {"local_sgd": resumed.strategy.extended.checkpoint_state} if with_state else {}
+        tf.train.Checkpoint(model=resumed.model, optimizer=resumed.optimizer, **state).restore(path)
+        for _ in range(6):
+            next(resumed.batches)
+        got = resumed.train(6)[-1]
+        same = all(numpy.allclose(got[name][r], expected[name][r], rtol=0, atol=1e-6) for name in got for r in (0, 1))
+        assert same == with_state
 
 
 def _example():

@@ -227,6 +227,23 @@ class ScheduledLocalSGDMixin:
         self._cycle.assign(0)
 
     @property
+    def checkpoint_state(self) -> tf.train.Checkpoint:
+        """The state a resumed run needs besides the model and optimizer: DiLoCo's anchors and
+        outer momenta (the model of the last sync; the same on every replica). Give it to the
+        program's checkpoint beside them, after :meth:`sync_now`:
+        ``tf.train.Checkpoint(model=model, optimizer=optimizer, local_sgd=strategy.extended.checkpoint_state)``.
+        Quantization residuals, each replica's own, start at zero on resume, as in the trainer.
+        Named by the order the trainable variables were made in (the same in every run of a
+        program; Keras' layer names are not, within one process)."""
+        momenta = getattr(self.averaging, "momenta", {})  # outer optimizers'
+        state = {}
+        for index, key in enumerate(self._synced_variables):
+            for kind, variables in (("anchor", self.averaging.anchors), ("outer_momentum", momenta)):
+                if key in variables:
+                    state[f"variable_{index}_{kind}"] = variables[key]
+        return tf.train.Checkpoint(**state)
+
+    @property
     def sync_stats(self) -> dict:
         """The updates made, the syncs (each combines one fragment, all trainable variables
         without ``sync_fragments``) and the bytes this worker's replicas handed to them."""
