@@ -121,6 +121,27 @@ def test_keras_compile_fit_evaluate_and_save(tmp_path):
     numpy.testing.assert_array_equal(loaded.get_weights()[0], first)
 
 
+def test_a_programs_own_all_reduce_of_other_values_reduces_and_is_no_update():
+    """In ``step_fn``, a value all-reduced by the program itself (as a custom metric would: here
+    each replica's number plus one) is the sum over the replicas, and only the optimizer's
+    all-reduce counts an update."""
+    strategy = LocalSGDStrategy(DEVICES, param_sync_step=2)
+    loop = _TutorialLoop(strategy)
+
+    @tf.function
+    def count_step(inputs):
+        def step_fn(x, y):
+            context = tf.distribute.get_replica_context()
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(context.replica_id_in_sync_group + 1,
+                                                                          tf.float32))
+
+        return strategy.experimental_local_results(strategy.run(step_fn, args=inputs))
+
+    assert [float(total) for total in count_step(next(loop.batches))] == [3.0, 3.0]
+    loop.train(2)
+    assert strategy.extended.sync_stats["updates"] == 2 and strategy.extended.sync_stats["syncs"] == 1
+
+
 def test_a_checkpoint_after_sync_now_resumes_diloco_where_it_stopped(tmp_path):
     """``tf.train.Checkpoint`` of the model, the optimizer and the extended's
     ``checkpoint_state`` (DiLoCo's anchors and momenta), saved after ``sync_now``: a new program

@@ -65,7 +65,8 @@ class ScheduledLocalSGDMixin:
       ``merge_call``) leaves each replica its own: a SUM of gradients of a loss scaled to the
       global batch (``tf.nn.compute_average_loss``, Keras' ``scale_loss``) is the replica's own
       batch's mean gradient, so ``extended.update`` applies it to the replica's own copy. Such an
-      all-reduce marks the ``strategy.run`` it happens in as an update.
+      all-reduce marks the ``strategy.run`` it happens in as an update; one of other values
+      (:meth:`_are_gradients`) reduces as TensorFlow's does.
     * After every ``strategy.run`` that made an update (:meth:`_call_for_each_replica`), the
       schedule counts it, and the fragments due are synced by a second ``strategy.run`` in the
       same program, under ``tf.cond``: ``sync_fragments`` F splits the trainable variables into F
@@ -115,7 +116,7 @@ class ScheduledLocalSGDMixin:
         return var
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        if self._syncing:
+        if self._syncing or not self._are_gradients([value for value, _ in value_destination_pairs]):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         self._updates.assign_add(1)
         scale = self._num_replicas_in_sync if reduce_op == tf.distribute.ReduceOp.SUM else 1
@@ -124,6 +125,20 @@ class ScheduledLocalSGDMixin:
             copies = value.values if isinstance(value, values_lib.PerReplica) else (value,) * len(self.worker_devices)
             own.append(values_lib.PerReplica(tuple(copy * scale for copy in copies)))
         return own
+
+    def _are_gradients(self, values) -> bool:
+        """Whether an all-reduce of ``values`` is one of gradients: floats whose shapes are those of
+        as many trainable variables of the scope (Keras reduces the gradients of all variables it
+        updates in one call). A program's own all-reduce of other values (a metric, a count)
+        reduces as TensorFlow's does, unless its shapes happen to be those of variables."""
+        shapes = [tuple(var.shape.as_list()) for var in self._synced_variables.values()]
+        for value in values:
+            component = value.values[0] if isinstance(value, values_lib.PerReplica) else value
+            shape = tuple(component.shape.as_list()) if component.shape.rank is not None else None
+            if not component.dtype.is_floating or shape not in shapes:
+                return False
+            shapes.remove(shape)
+        return bool(values)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         result = super()._call_for_each_replica(fn, args, kwargs)
