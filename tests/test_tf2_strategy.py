@@ -22,7 +22,8 @@ def _data(seed=0):
 class _TutorialLoop:
     """TensorFlow's "Custom training with tf.distribute.Strategy" loop, with a linear model."""
 
-    def __init__(self, strategy, optimizer=lambda: keras.optimizers.SGD(0.05)):
+    def __init__(self, strategy, optimizer=lambda: keras.optimizers.SGD(0.05), traced: bool = True):
+        """``traced``: the step is a ``tf.function``, as in the guide (else eager)."""
         self.strategy = strategy
         with strategy.scope():
             self.model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
@@ -34,7 +35,6 @@ class _TutorialLoop:
             tf.data.Dataset.from_tensor_slices(_data()).batch(GLOBAL_BATCH).repeat()))
         model, optimizer = self.model, self.optimizer
 
-        @tf.function
         def train_step(inputs):
             def step_fn(x, y):
                 with tf.GradientTape() as tape:
@@ -46,7 +46,7 @@ class _TutorialLoop:
 
             return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(step_fn, args=inputs), axis=None)
 
-        self.train_step = train_step
+        self.train_step = tf.function(train_step) if traced else train_step
 
     def train(self, steps: int) -> list:
         """After each step, the copies of the kernel and the bias (``{"kernel": [replica 0's,
@@ -66,9 +66,10 @@ def _custom_loop(strategy, steps: int, optimizer=lambda: keras.optimizers.SGD(0.
     return _TutorialLoop(strategy, optimizer).train(steps)
 
 
-def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updates():
+@pytest.mark.parametrize("traced", [True, False], ids=["tf.function", "eager"])
+def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updates(traced):
     strategy = LocalSGDStrategy(DEVICES, param_sync_step=3)
-    copies = _custom_loop(strategy, 6)
+    copies = _TutorialLoop(strategy, traced=traced).train(6)
     for step, (first, second) in enumerate((each["kernel"] for each in copies), start=1):
         if step % 3:  # each replica applied its own batch's gradient to its own copy
             assert not numpy.allclose(first, second), step
