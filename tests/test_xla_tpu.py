@@ -206,7 +206,7 @@ def test_evaluation_with_xla_on_buckets_equals_plain_evaluation(tmp_path, rng):
 
 
 def test_tpu_strategy_init_names_its_extended_by_the_module_global():
-    """``LocalSGDTPUStrategy`` runs TensorFlow's ``TPUStrategyV2.__init__`` with the module's
+    """``TrainerLocalSGDTPUStrategy`` runs TensorFlow's ``TPUStrategyV2.__init__`` with the module's
     ``TPUExtended`` bound to its own extended (FACTS.md, "TPUStrategy's extended"): that works only
     while ``__init__`` makes the extended by that global name, and restores the name after."""
     import inspect

@@ -15,7 +15,7 @@ from returnn_tpu.strategies.devices import local_replica_devices, own_collective
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
                                                  TrainerMultiWorkerLocalSGDStrategy)
-from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, make_tpu_strategy
+from returnn_tpu.strategies.tpu import TrainerLocalSGDTPUStrategy, make_tpu_strategy
 
 __all__ = [
     "make_strategy",
@@ -26,7 +26,7 @@ __all__ = [
     "MultiWorkerLocalSGDStrategy",
     "TrainerMultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",
-    "LocalSGDTPUStrategy",
+    "TrainerLocalSGDTPUStrategy",
     "syncs_in_step",
     "local_replica_devices",
     "distribute_local_values",

@@ -67,8 +67,11 @@ def _tpu_strategies_make(extended_class):
         tpu_strategy.TPUExtended = made
 
 
-class LocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
-    """Local SGD on the cores of a TPU: each core trains its own copy, averaged every N steps.
+class TrainerLocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
+    """Local SGD on the cores of a TPU for the RETURNN trainer (``local_sgd_tpu``): each core
+    trains its own copy with the package's optimizers, and :mod:`returnn_tpu.sync` combines the
+    copies inside the compiled step. Not for TF2 programs: there, Keras' gradient all-reduce would
+    make it synchronous SGD (docs/strategies.md).
 
     TensorFlow's own ``__init__`` runs, with the local-SGD extended in place of its own, so every
     setting it makes (packed variables in eager mode, its usage gauges) holds here too.
@@ -84,4 +87,4 @@ def make_tpu_strategy(name: str) -> tf.distribute.Strategy:
     resolver = find_tpu(name)
     if name == "tpu":
         return tf.distribute.TPUStrategy(resolver)
-    return LocalSGDTPUStrategy(resolver)
+    return TrainerLocalSGDTPUStrategy(resolver)
