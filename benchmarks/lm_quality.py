@@ -125,8 +125,9 @@ def _score(errors: Dict[str, float], dataset: str) -> float:
 
 
 def table(results: List[dict]) -> str:
-    """The markdown table: per row the mean (and each seed's) dev and test perplexity, relative
-    to ``sync_4``'s mean, bytes per update and updates per second."""
+    """The markdown table: per row the mean dev and test perplexity (with several seeds: ± half
+    their range, and each seed's), relative to ``sync_4``'s mean, bytes per update and updates
+    per second."""
     by_row: Dict[str, List[dict]] = {}
     for result in results:
         by_row.setdefault(result["row"], []).append(result)
@@ -141,7 +142,8 @@ def table(results: List[dict]) -> str:
         dev = sum(r["dev_ppl"] for r in runs) / len(runs)
         test = sum(r["test_ppl"] for r in runs) / len(runs)
         each = " ".join(f"{r['dev_ppl']:.3f}" for r in runs)
-        seeds = f" ({each})" if len(runs) > 1 else ""
+        spread = max(r["dev_ppl"] for r in runs) - min(r["dev_ppl"] for r in runs)
+        seeds = f" ± {spread / 2:.3f} ({each})" if len(runs) > 1 else ""
         relative = f"{100 * (dev / ref_dev - 1):+.1f}%" if ref_dev else ""
         lines.append(f"| {name} | {dev:.3f}{seeds} | {relative} | {test:.3f} | {math.log2(dev):.3f} | "
                      f"{runs[0]['bytes_per_update']:.0f} | {_mean_rate(runs)} |")
