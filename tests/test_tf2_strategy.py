@@ -277,7 +277,7 @@ def _numpy_local_sgd(steps: int, n: int, outer=None, quantized_bits=None, error_
                 for copy in copies:
                     copy.update({name: mix * copy[name] + (1 - mix) * value for name, value in synced.items()})
                 in_flight = None
-        for fragment in due:
+        for fragment in (i for i in due if fragments[i]):  # an empty fragment syncs nothing
             change = mean_change(fragments[fragment])
             if delay:
                 in_flight = [change, 0]
@@ -301,7 +301,9 @@ DILOCO = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}
     ({"param_sync_step": 4, "outer_optimizer": DILOCO, "sync_dtype": "int8"}, {"outer": DILOCO, "quantized_bits": 8}),
     ({"param_sync_step": 4, "outer_optimizer": DILOCO, "sync_fragments": 2, "sync_delay": 1},
      {"outer": DILOCO, "fragments": [["kernel"], ["bias"]], "delay": 1}),
-], ids=["average", "diloco", "int4", "int4_no_error_feedback", "diloco_int8", "diloco_fragments_delay"])
+    ({"param_sync_step": 4, "sync_fragments": 4}, {"fragments": [["kernel"], ["bias"], [], []]}),
+], ids=["average", "diloco", "int4", "int4_no_error_feedback", "diloco_int8", "diloco_fragments_delay",
+        "more_fragments_than_variables"])
 def test_the_custom_loop_syncs_by_the_rules_in_numpy(options, rules):
     """Twelve updates of TensorFlow's custom loop against :func:`_numpy_local_sgd`: every copy
     after every update, to 1e-5 (the int4 and int8 rows round the same values alike)."""

@@ -157,9 +157,12 @@ class ScheduledLocalSGDMixin:
             self._cycle.assign(tf.where(cycle >= self.param_sync_step, tf.constant(0, tf.int64), cycle))
         if self.sync_delay:
             self._apply_in_flight(flush=tf.reduce_any(due))
-        for fragment, fragment_due in enumerate(due):
-            start = self._start_overlapped if self.sync_delay else self._sync_fragment
-            _when(fragment_due, lambda fragment=fragment: start(fragment))
+        for fragment, variables in self._fragments():
+            if self.sync_delay:
+                _when(due[fragment],
+                      lambda fragment=fragment, variables=variables: self._start_overlapped(fragment, variables))
+            else:
+                _when(due[fragment], lambda variables=variables: self._sync_fragment(variables))
 
     def _apply_in_flight(self, flush):
         """Overlapped syncs: applies the sync in flight once it has been in flight ``sync_delay``
@@ -167,17 +170,18 @@ class ScheduledLocalSGDMixin:
         in_flight = self._in_flight.read_value()
         waited = tf.where(in_flight >= 0, self._updates_in_flight.assign_add(1), tf.constant(0, tf.int64))
         ready = tf.logical_and(in_flight >= 0, tf.logical_or(waited >= self.sync_delay, flush))
-        for fragment in range(len(self._fragment_ends)):
+        for fragment, variables in self._fragments():
             _when(tf.logical_and(ready, tf.equal(in_flight, fragment)),
-                  lambda fragment=fragment: self._finish_overlapped(fragment))
+                  lambda variables=variables: self._finish_overlapped(variables))
 
     def _fragments(self):
-        """The trainable variables (key -> variable) of each fragment, split as the trainer splits."""
+        """``(index, its trainable variables: key -> variable)`` of each fragment that has any,
+        split as the trainer splits (a model of fewer variables than fragments leaves some empty)."""
         from returnn_tpu.sync import split_into_fragments
 
         sizes = {key: var.shape.num_elements() * var.dtype.size for key, var in self._synced_variables.items()}
-        return [{key: self._synced_variables[key] for key in keys}
-                for keys in split_into_fragments(sizes, len(self._fragment_ends))]
+        return [(index, {key: self._synced_variables[key] for key in keys})
+                for index, keys in enumerate(split_into_fragments(sizes, len(self._fragment_ends))) if keys]
 
     def _in_replicas(self, sync_in_replica):
         """Runs ``sync_in_replica(strategy)`` in replica context on every replica, its all-reduces
@@ -189,17 +193,14 @@ class ScheduledLocalSGDMixin:
         finally:
             self._syncing = False
 
-    def _sync_fragment(self, fragment: int):
+    def _sync_fragment(self, variables: dict):
         from returnn_tpu.sync import mean_over_all_replicas
 
-        variables = self._fragments()[fragment]
         self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
             strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))
         self._count_sync(variables)
 
-    def _start_overlapped(self, fragment: int):
-        variables = self._fragments()[fragment]
-
+    def _start_overlapped(self, fragment: int, variables: dict):
         def snapshot_and_reduce(strategy):
             self.averaging.snapshot_in_replica(strategy, variables)
             self.averaging.reduce_in_replica(strategy, list(variables))
@@ -209,8 +210,7 @@ class ScheduledLocalSGDMixin:
         self._updates_in_flight.assign(0)
         self._count_sync(variables)
 
-    def _finish_overlapped(self, fragment: int):
-        variables = self._fragments()[fragment]
+    def _finish_overlapped(self, variables: dict):
         self._in_replicas(lambda strategy: self.averaging.apply_in_replica(
             strategy, variables, learning_rate=tf.constant(1.0)))
         self._in_flight.assign(-1)
@@ -237,8 +237,8 @@ class ScheduledLocalSGDMixin:
     def _sync_all(self):
         if self.sync_delay:
             self._apply_in_flight(flush=tf.constant(True))
-        for fragment in range(len(self._fragment_ends)):
-            self._sync_fragment(fragment)
+        for _, variables in self._fragments():
+            self._sync_fragment(variables)
         self._cycle.assign(0)
 
     @property
