@@ -12,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO, "tests", "configs", "old_style_12ax.config")
 
 RUNS = {
+    "accum_parity.py": ["--smoke"],
     "chaos.py": ["--smoke"],
     "corpus.py": ["--smoke"],
     "data_pipeline.py": ["--smoke"],
