@@ -9,7 +9,8 @@ import keras
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.strategies import LocalSGDStrategy, SyncCallback, with_own_collective_keys
 
-DEVICES = ["/cpu:0", "/cpu:1"]
+DEVICES = [f"/cpu:{i}" for i in range(4)]  # the logical CPU devices of conftest.py
+REPLICAS = len(DEVICES)
 GLOBAL_BATCH = 8
 
 
@@ -50,7 +51,7 @@ class _TutorialLoop:
 
     def train(self, steps: int) -> list:
         """After each step, the copies of the kernel and the bias (``{"kernel": [replica 0's,
-        replica 1's], "bias": ...}``)."""
+        replica 1's, ...], "bias": ...}``)."""
         copies = []
         for _ in range(steps):
             self.train_step(next(self.batches))
@@ -70,12 +71,12 @@ def _custom_loop(strategy, steps: int, optimizer=lambda: keras.optimizers.SGD(0.
 def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updates(traced):
     strategy = LocalSGDStrategy(DEVICES, param_sync_step=3)
     copies = _TutorialLoop(strategy, traced=traced).train(6)
-    for step, (first, second) in enumerate((each["kernel"] for each in copies), start=1):
+    for step, kernels in enumerate((each["kernel"] for each in copies), start=1):
         if step % 3:  # each replica applied its own batch's gradient to its own copy
-            assert not numpy.allclose(first, second), step
+            assert not any(numpy.allclose(kernels[0], other) for other in kernels[1:]), step
         else:  # the sync after update 3 and 6
-            numpy.testing.assert_array_equal(first, second)
-    assert strategy.extended.sync_stats == {"updates": 6, "syncs": 2, "bytes": 2 * 2 * (4 + 1) * 4}
+            assert all(numpy.array_equal(kernels[0], other) for other in kernels[1:]), step
+    assert strategy.extended.sync_stats == {"updates": 6, "syncs": 2, "bytes": 2 * REPLICAS * (4 + 1) * 4}
 
 
 def test_local_sgd_of_one_update_is_synchronous_sgd():
@@ -112,10 +113,10 @@ def test_keras_compile_fit_evaluate_and_save(tmp_path):
     stats = strategy.extended.sync_stats
     assert stats["updates"] == 3 * 64 // GLOBAL_BATCH
     # 6 scheduled syncs, and the callback's: 3 validations, 3 epoch ends, the end of training
-    assert stats["syncs"] == 6 + 7 and stats["bytes"] == stats["syncs"] * 2 * (4 + 1) * 4
+    assert stats["syncs"] == 6 + 7 and stats["bytes"] == stats["syncs"] * REPLICAS * (4 + 1) * 4
     kernel = model.trainable_variables[0]
-    first, second = (c.numpy() for c in strategy.experimental_local_results(getattr(kernel, "value", kernel)))
-    numpy.testing.assert_array_equal(first, second)
+    first, *others = (c.numpy() for c in strategy.experimental_local_results(getattr(kernel, "value", kernel)))
+    assert all(numpy.array_equal(first, other) for other in others)
     assert model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0) < history.history["loss"][0]
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
@@ -138,7 +139,7 @@ def test_a_programs_own_all_reduce_of_other_values_reduces_and_is_no_update():
 
         return strategy.experimental_local_results(strategy.run(step_fn, args=inputs))
 
-    assert [float(total) for total in count_step(next(loop.batches))] == [3.0, 3.0]
+    assert [float(total) for total in count_step(next(loop.batches))] == [sum(range(1, REPLICAS + 1))] * REPLICAS
     loop.train(2)
     assert strategy.extended.sync_stats["updates"] == 2 and strategy.extended.sync_stats["syncs"] == 1
 
@@ -162,7 +163,7 @@ def test_a_checkpoint_after_sync_now_resumes_diloco_where_it_stopped(tmp_path):
         for _ in range(6):
             next(resumed.batches)
         got = resumed.train(6)[-1]
-        same = all(numpy.allclose(got[name][r], expected[name][r], rtol=0, atol=1e-6) for name in got for r in (0, 1))
+        same = all(numpy.allclose(got[name][r], expected[name][r], rtol=0, atol=1e-6) for name in got for r in range(REPLICAS))
         assert same == with_state
 
 
@@ -186,11 +187,11 @@ def test_the_keras_example_classifies_as_well_as_with_mirrored_strategy(tmp_path
     evaluates the same."""
     example = _example()
     local = LocalSGDStrategy(DEVICES, param_sync_step=8)
-    ours = example.train(local, epochs=2, num_examples=4096, model_path=str(tmp_path / "local.keras"))
-    theirs = example.train(with_own_collective_keys(tf.distribute.MirroredStrategy, DEVICES), epochs=2, num_examples=4096)
+    ours = example.train(local, epochs=3, num_examples=4096, model_path=str(tmp_path / "local.keras"))
+    theirs = example.train(with_own_collective_keys(tf.distribute.MirroredStrategy, DEVICES), epochs=3, num_examples=4096)
     print(f"test accuracy: local SGD {ours:.4f}, MirroredStrategy {theirs:.4f}")
     assert theirs > 0.7 and abs(ours - theirs) <= 0.02
-    assert local.extended.sync_stats["syncs"] >= 2 * 4096 // 128 // 8
+    assert local.extended.sync_stats["syncs"] >= 3 * 4096 // 128 // 8
     reloaded = keras.models.load_model(tmp_path / "local.keras")
     _, reloaded_accuracy = reloaded.evaluate(*example.make_data(2048, seed=3), batch_size=128, verbose=0)
     assert reloaded_accuracy == pytest.approx(ours, abs=1e-6)
@@ -213,18 +214,18 @@ def test_bad_options_are_one_line(options, message):
 
 def _numpy_local_sgd(steps: int, n: int, outer=None, quantized_bits=None, error_feedback=True, fragments=(),
                      delay=0, mix=0.5, learning_rate=0.05):
-    """The custom loop's training written out in NumPy: 2 replicas, each applies SGD on its half
-    of each global batch of 8 to its own copy of ``y = x k + b``; fragment i (of ``fragments``,
+    """The custom loop's training written out in NumPy: each of the replicas applies SGD on its
+    share of each global batch of 8 (in replica order) to its own copy of ``y = x k + b``; fragment i (of ``fragments``,
     lists of "kernel"/"bias"; default one of both) is synced after update ``(i + 1) n / F`` of
     each cycle of ``n``: each replica's change since the anchor (quantized in blocks of 64 to
     ``quantized_bits``, with error feedback), their mean, DiLoCo's Nesterov step from the anchor
     (``outer``), applied at once or ``delay`` updates later mixed into each copy. The copies after
     each update, as ``_custom_loop`` returns them."""
     x, y = _data()
-    copies = [{"kernel": numpy.zeros((4, 1), "float32"), "bias": numpy.zeros(1, "float32")} for _ in range(2)]
+    copies = [{"kernel": numpy.zeros((4, 1), "float32"), "bias": numpy.zeros(1, "float32")} for _ in range(REPLICAS)]
     anchor = {name: value.copy() for name, value in copies[0].items()}
     momentum = {name: numpy.zeros_like(value) for name, value in anchor.items()}
-    residual = [0.0, 0.0]
+    residual = [0.0] * REPLICAS
     fragments = list(fragments) or [["kernel", "bias"]]
     ends = [round((i + 1) * n / len(fragments)) for i in range(len(fragments))]
 
@@ -261,14 +262,15 @@ def _numpy_local_sgd(steps: int, n: int, outer=None, quantized_bits=None, error_
                 anchor[name] = anchor[name] + value
         return {name: anchor[name].copy() for name in change}
 
-    history, in_flight = [], None
+    history, in_flight, per_replica = [], None, GLOBAL_BATCH // REPLICAS
     for step in range(steps):
         batch = slice(8 * (step % 8), 8 * (step % 8) + 8)
         for replica, copy in enumerate(copies):
-            xs, ys = x[batch][4 * replica:4 * replica + 4], y[batch][4 * replica:4 * replica + 4]
+            own = slice(per_replica * replica, per_replica * (replica + 1))
+            xs, ys = x[batch][own], y[batch][own]
             error = xs @ copy["kernel"] + copy["bias"] - ys
-            copy["kernel"] = copy["kernel"] - learning_rate * 2 * xs.T @ error / 4
-            copy["bias"] = copy["bias"] - learning_rate * 2 * error.sum(axis=0) / 4
+            copy["kernel"] = copy["kernel"] - learning_rate * 2 * xs.T @ error / per_replica
+            copy["bias"] = copy["bias"] - learning_rate * 2 * error.sum(axis=0) / per_replica
         due = [i for i, end in enumerate(ends) if end == step % n + 1]
         if in_flight is not None:
             in_flight[1] += 1
@@ -311,7 +313,7 @@ def test_the_custom_loop_syncs_by_the_rules_in_numpy(options, rules):
     theirs = _numpy_local_sgd(12, options["param_sync_step"], **rules)
     for step, (our_step, their_step) in enumerate(zip(ours, theirs), start=1):
         for name in ("kernel", "bias"):
-            for replica in range(2):
+            for replica in range(REPLICAS):
                 numpy.testing.assert_allclose(our_step[name][replica], their_step[name][replica], rtol=1e-5, atol=1e-5,
                                               err_msg=f"{name}, replica {replica}, after update {step}")
 
