@@ -63,3 +63,13 @@ def test_private_tensorflow_only_in_strategies_and_the_patches_module():
     outside = {relative for relative in users if not relative.startswith("strategies" + os.sep)}
     assert outside <= PRIVATE_TENSORFLOW_OUTSIDE_STRATEGIES, sorted(outside - PRIVATE_TENSORFLOW_OUTSIDE_STRATEGIES)
     assert any(relative.startswith("strategies" + os.sep) for relative in users)  # the rule still sees them
+
+
+def test_the_tf2_example_imports_no_returnn():
+    """examples/keras_local_sgd.py is a TF2 program: it uses the strategies without RETURNN."""
+    example = os.path.join(os.path.dirname(PACKAGE), "examples", "keras_local_sgd.py")
+    modules = {node.module for node in ast.walk(ast.parse(open(example).read())) if isinstance(node, ast.ImportFrom)}
+    modules |= {alias.name for node in ast.walk(ast.parse(open(example).read())) if isinstance(node, ast.Import)
+                for alias in node.names}
+    assert "returnn_tpu.strategies" in modules
+    assert not [m for m in modules if m and (m == "returnn" or m.startswith("returnn."))]
