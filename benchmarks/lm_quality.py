@@ -107,10 +107,12 @@ def run(name: str, options: Optional[dict], seed: int, corpus_dir: str, folder: 
     if os.path.exists(os.path.join(folder, "out", "metrics.jsonl")):
         with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
             metrics = [json.loads(line) for line in f if line.strip()]
-    updates, curve = 0, []
+    steps, curve = 0, []
+    accumulated = int(ACCUMULATE_4[1]) if name.endswith("_accum_4") else 1  # micro-batches per update
     for epoch in epochs:
         data = control.epoch_data[epoch]
-        updates += int(data.meta.get("epoch_num_train_steps", 0))
+        steps += int(data.meta.get("epoch_num_train_steps", 0))  # micro-batches, with accumulation
+        updates = steps // accumulated
         bytes_sent = sum(m["sync_bytes"] for m in metrics if m["epoch"] <= epoch)  # syncs, or gradients
         curve.append({"epoch": epoch, "updates": updates, "bytes": bytes_sent,
                       "dev_ppl": math.exp(_score(data.error, "dev")), "test_ppl": math.exp(_score(data.error, "eval"))})
@@ -170,10 +172,12 @@ def plots(results: List[dict], out: str):
     for key, label, name in (("updates", "updates", "dev_ppl_vs_updates.png"),
                              ("bytes", "bytes sent by a worker", "dev_ppl_vs_bytes.png")):
         figure, axes = plt.subplots(figsize=(7, 4.5))
+        names = list(rows())
         for result in results:
             points = [(p[key], p["dev_ppl"]) for p in result["curve"] if key != "bytes" or p["bytes"] > 0]
-            if points:
-                axes.plot(*zip(*points), marker="o", label=f"{result['row']} s{result['seed']}")
+            if points:  # a colour per row, a marker per seed
+                axes.plot(*zip(*points), color=plt.cm.tab20(names.index(result["row"]) % 20),
+                          marker="osd^v"[(result["seed"] - 1) % 5], label=f"{result['row']} s{result['seed']}")
         axes.set_xlabel(label)
         axes.set_ylabel("dev perplexity per character")
         if key == "bytes":
