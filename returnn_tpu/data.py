@@ -245,6 +245,10 @@ def init_seq_order(dataset, epoch: int):
 
         where = traceback.extract_tb(exc.__traceback__)[-1]
         detail = f": {exc}" if str(exc) else ""
+        if "seq_ordering" in detail:  # RETURNN sets a dataset's seq_ordering from the config's batching
+            detail += (" (the dataset's seq_ordering, or the config's batching where the dataset sets none; valid: "
+                       "default, default_every_n:N, reverse, sorted, sorted_reverse, random[:SEED], random_sample, "
+                       "sort_bin_shuffle[:N], sort_bin_shuffle_x2[:N], laplace[:N])")
         raise ConfigError(f"{dataset.name}: RETURNN's {type(dataset).__name__} refuses its options at epoch {epoch}: "
                           f"{where.line or 'an assertion'} ({os.path.basename(where.filename)}:{where.lineno})"
                           f"{detail}") from None

@@ -107,11 +107,13 @@ class DataProducer:
         self._commands, commands_end = context.Pipe()
         try:
             self._results = context.Queue(maxsize=prefetch)  # named semaphores in /dev/shm
-        except OSError as exc:
+        except OSError as exc:  # the machine's setting: a restart on it cannot help, so status 2 as bad input
+            from returnn_tpu.errors import ConfigError
+
             free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-            raise ProducerError(f"cannot make the data producer's queue in /dev/shm ({free / 1e3:.0f} kB free there): "
-                                f"{exc.strerror or exc}; make /dev/shm larger (docker: --shm-size), or set "
-                                "distribute_options['data_producer'] = 'thread'") from None
+            raise ConfigError(f"cannot make the data producer's queue in /dev/shm ({free / 1e3:.0f} kB free there): "
+                              f"{exc.strerror or exc}; make /dev/shm larger (docker: --shm-size), or set "
+                              "distribute_options['data_producer'] = 'thread'") from None
         setup = dict(config_filename=config_filename, overrides=list(overrides), dataset_key=dataset_key,
                      num_replicas=num_replicas, first_replica=first_replica, distribution=distribution,
                      all_replicas=all_replicas, serve=serve)

@@ -182,6 +182,9 @@ LATE_BAD_INPUT = [  # found once TensorFlow or the datasets are up: still status
     ('dev = {"class": "PostprocessingDataset", "dataset": {"class": "Task12AXDataset", "num_seqs": 10},\n'
      '       "map_seq": lambda x, **_: x}\nbatching = "random"', {},
      "dev: RETURNN cannot build its PostprocessingDataset from the config: ValueError: "),
+    # An order RETURNN does not know, given as the config's batching, found by the producer.
+    ('batching = "bogus"', {}, "invalid seq_ordering 'bogus' (the dataset's seq_ordering, or the config's batching "
+     "where the dataset sets none; valid: default,"),
     # A time limit that start-up uses up: each resubmission would stop before its first step again.
     ('distribute_options = {"time_limit": 10, "stop_before_time_limit": 9.5}', {},
      "distribute_options['time_limit']: the run reached its stop before the time limit (10 s minus "
@@ -192,7 +195,7 @@ LATE_BAD_INPUT = [  # found once TensorFlow or the datasets are up: still status
 @pytest.mark.parametrize("line,env,message", LATE_BAD_INPUT,
                          ids=["num_inputs", "no_mpi_library", "no_train_seqs", "no_dev_seqs", "no_hdf_file",
                               "missing_layer", "garbage_lr_file", "dim_string", "layer_class_object",
-                              "postprocessing_dev", "time_limit_used_by_start_up"])
+                              "postprocessing_dev", "batching_bogus", "time_limit_used_by_start_up"])
 def test_bad_input_found_after_tensorflow_starts(tmp_path, line, env, message):
     config = config_12ax(num_inputs=None) if line.startswith("num_inputs") else config_12ax()
     (tmp_path / "train.config").write_text(config + line + "\nlog = 'out/train.log'\n")
