@@ -136,6 +136,28 @@ def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
         numpy.testing.assert_allclose(ours[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_sigint_and_sighup_save_the_epoch_and_exit_128_plus_n(tmp_path, signum):
+    """docs/faults.md's exit statuses for the other stop signals: 130 for SIGINT, 129 for SIGHUP,
+    the epoch in progress saved as the interrupted checkpoint, as for SIGTERM."""
+    from returnn_tpu import checkpoints
+
+    (tmp_path / "train.config").write_text(config_12ax(train={"class": "Task12AXDataset", "num_seqs": 250},
+                                                       num_epochs=1))
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config", "++log_verbosity", "5"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("train epoch 1, step 5,"):
+            break
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, stderr[-3000:]
+    assert "the combined model is in out/model.001.interrupted" in stderr.splitlines()[-1], stderr[-3000:]
+    assert checkpoints.interrupted(str(tmp_path / "out" / "model"), 1).steps_done > 0
+
+
 BAD_INPUT = [
     ('distribute_strategy = "allreduce"', "distribute_strategy"),
     ('distribute_options = {"num_replicas": 2, "sync_every": 3}', "sync_every"),
