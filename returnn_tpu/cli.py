@@ -18,6 +18,7 @@ import ast
 import os
 import signal
 import sys
+import time
 from typing import List, Optional
 
 from returnn_tpu.errors import ConfigError
@@ -171,7 +172,7 @@ def train(filename: str, overrides: List[str]) -> int:
     returns the exit status."""
     from returnn_tpu.startup import TASKS, check_config, load_config
 
-    cluster = lock = None
+    cluster = lock = options = None
     new_paths: List[str] = []
     try:
         config = load_config(filename, overrides)
@@ -231,6 +232,7 @@ def train(filename: str, overrides: List[str]) -> int:
         _remove_new_paths(new_paths)  # bad input found after the log started (e.g. the data's dims)
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         _abort_mpi_job(2)  # a refusal on one rank (the chief's lock, data found late) ends all of them
+        _report_refusal_to_cluster(cluster, options, str(exc))
         return 2
     except Exception as exc:  # noqa: BLE001 (the failures of training that are one line; others re-raised)
         status = 1
@@ -291,6 +293,40 @@ def _abort_mpi_job(status: int):
     mpi.COMM_WORLD.Abort(status)
 
 
+def _report_refusal_to_cluster(cluster, options, message: str):
+    """Under ``TF_CONFIG`` (workers started one by one: no ``mpirun`` to abort, maybe no launcher to
+    stop the others), a worker that refuses its input ends the others through TensorFlow's
+    coordination service: it joins the cluster if it has not yet (the others wait for it there;
+    once all of them answer on their ports, within ``startup_timeout``), reports the refusal, and each
+    other worker's next collective fails with it, which they print as this refusal and exit 2
+    (:func:`_training_failure`; FACTS.md, "A refusal under TF_CONFIG")."""
+    if cluster is None or cluster.kind != "tf_config" or cluster.num_workers < 2 or options is None:
+        return
+    import dataclasses
+
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from returnn_tpu.faults import REFUSAL_PREFIX
+    from returnn_tpu.strategies import make_strategy
+    from returnn_tpu.strategies.startup_watchdog import unanswered
+
+    if context.context().coordination_service is None:  # not joined yet
+        spec = cluster.resolver.cluster_spec()
+        own = (cluster.resolver.task_type, cluster.resolver.task_id)
+        peers = {f"{job} {i}": address for job in spec.jobs for i, address in enumerate(spec.job_tasks(job))
+                 if (job, i) != own}
+        deadline = time.time() + options.startup_timeout  # the others may not have started yet
+        while unanswered(peers) and time.time() < deadline:
+            time.sleep(0.5)
+        if unanswered(peers):
+            return  # they did not come: each ends at its own startup_timeout, naming this worker
+        make_strategy(dataclasses.replace(options, startup_timeout=min(options.startup_timeout, 30.0)), cluster)
+    context.context().report_error_to_cluster(
+        tf.errors.INVALID_ARGUMENT, f"{REFUSAL_PREFIX}worker {cluster.worker_index}: {message}")
+    time.sleep(2.0)  # worker 0 hosts the service: it stays while the others are told
+
+
 def _training_failure(exc: Exception, cluster) -> int:
     """One line and the exit status for the failures training reports so (see module doc);
     re-raises any other exception."""
@@ -298,7 +334,7 @@ def _training_failure(exc: Exception, cluster) -> int:
     from returnn_tpu.producer import ProducerError
     from returnn_tpu.reporting import RecordWriteError
     from returnn_tpu.errors import RESUMABLE_STATUS
-    from returnn_tpu.faults import PEER_LOSS_ERRORS, NonFiniteScore, PeerLost, Stopped
+    from returnn_tpu.faults import PEER_LOSS_ERRORS, NonFiniteScore, PeerLost, Stopped, reported_refusal
 
     if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)
@@ -309,6 +345,10 @@ def _training_failure(exc: Exception, cluster) -> int:
     if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, ProducerError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
+    refusal = reported_refusal(exc.cause if isinstance(exc, PeerLost) else exc)
+    if refusal:  # another worker refused its input and told the cluster (under TF_CONFIG)
+        print(f"returnn-tpu: error: {refusal}", file=sys.stderr)
+        return 2
     saved = ""
     if isinstance(exc, PeerLost):
         exc, saved = exc.cause, f"; {exc.where}"

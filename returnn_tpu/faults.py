@@ -29,6 +29,19 @@ STOP_CHECK_STEPS = 10  # with several workers, how often they agree whether one 
 AGREED_STOP_SECONDS = 10.0
 # What a collective raises when a worker is gone (dead, hung past the health check, unreachable).
 PEER_LOSS_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError)
+# What a worker that refuses its input tells the others through TensorFlow's coordination service
+# (cli.py, under TF_CONFIG); it reaches them in the message of their next collective's error.
+REFUSAL_PREFIX = "returnn-tpu refusal of "
+
+
+def reported_refusal(exc: BaseException) -> Optional[str]:
+    """The refusal another worker reported to the cluster (``"worker 0: <its one line>"``), if
+    ``exc`` is the error that ended this worker's collective because of it; else None."""
+    text = getattr(exc, "message", None) or str(exc)
+    for line in text.splitlines():
+        if REFUSAL_PREFIX in line:
+            return line.split(REFUSAL_PREFIX, 1)[1].split(" [type.googleapis.com/", 1)[0].strip()
+    return None
 
 
 class NonFiniteScore(RuntimeError):

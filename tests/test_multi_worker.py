@@ -120,10 +120,12 @@ def test_two_workers_local_sgd_via_mpirun(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["mpirun", "local_workers"])
+@pytest.mark.parametrize("launcher", ["mpirun", "local_workers", "tf_config"])
 def test_a_refusal_on_one_worker_ends_the_whole_job_with_status_2(tmp_path, launcher):
     """The chief refuses to start (its model is locked by a live run); the other worker, which
-    would wait for it in a collective, is ended too: the job exits with status 2 within seconds."""
+    would wait for it in a collective, is ended too: the job exits with status 2 within seconds.
+    ``tf_config``: two workers started one by one with their ``TF_CONFIG``, no launcher; the chief
+    tells the other through TensorFlow's coordination service, and both exit 2."""
     if launcher == "mpirun" and shutil.which("mpirun") is None:
         pytest.skip("Open MPI is not installed (.ci/run installs it)")
     resolver = {"cluster_resolver": "mpi"} if launcher == "mpirun" else {}
@@ -134,18 +136,41 @@ def test_a_refusal_on_one_worker_ends_the_whole_job_with_status_2(tmp_path, laun
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = (["mpirun", "--oversubscribe", "--tag-output", "-np", "2"] if launcher == "mpirun" else []) + \
-        [sys.executable, "-m", "returnn_tpu.cli"] + (["--local-workers", "2"] if launcher != "mpirun" else []) + \
+        [sys.executable, "-m", "returnn_tpu.cli"] + (["--local-workers", "2"] if launcher == "local_workers" else []) + \
         ["train.config"]
     start = time.time()
     try:
-        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        if launcher == "tf_config":
+            result = _run_tf_config_workers(command, tmp_path, env)
+        else:
+            result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     finally:
         holder.kill()
     elapsed = time.time() - start
     print(f"{launcher}: a refusal of worker 0 ended the job after {elapsed:.1f} s, status {result.returncode}")
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     assert "is in use by another returnn-tpu run" in result.stdout + result.stderr
+    if launcher == "tf_config":  # worker 1's one line: worker 0's refusal, as it reported it
+        assert "returnn-tpu: error: worker 0: " in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert elapsed < 60  # (it waited 240 s in a collective, then exited 75)
+
+
+def _run_tf_config_workers(command: list, cwd, env: dict) -> subprocess.CompletedProcess:
+    """Runs ``command`` as two workers, each started with its own ``TF_CONFIG`` (as on machines
+    without a launcher); the result's status is worker 0's, asserted equal to worker 1's, and its
+    output both workers'."""
+    from returnn_tpu.launcher import free_local_ports
+
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_local_ports(2)]}
+    procs = [subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                                  "task": {"type": "worker", "index": index}})))
+             for index in range(2)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    statuses = [proc.returncode for proc in procs]
+    assert statuses[0] == statuses[1], (statuses, outputs)
+    return subprocess.CompletedProcess(command, statuses[0], "".join(out for out, _ in outputs),
+                                       "".join(err for _, err in outputs))
 
 
 @pytest.mark.slow
