@@ -580,18 +580,30 @@ def test_max_restarts_resumes_the_job_after_a_lost_worker(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_worker_names_the_cause_of_a_stop(tmp_path):
+@pytest.mark.parametrize("launcher", ["local_workers", "mpirun"])
+def test_every_worker_names_the_cause_of_a_stop(tmp_path, launcher):
     """Worker 0 reaches its time limit first (worker 1's is far away): both stop at the same step
-    for the time limit, with its status 75; worker 1 does not call it a signal."""
+    for the time limit, with its status 75; worker 1 does not call it a signal (under ``mpirun``
+    too, which forwards no signal here)."""
     from conftest import Code, config_12ax
 
+    if launcher == "mpirun" and shutil.which("mpirun") is None:
+        pytest.skip("Open MPI is not installed (.ci/run installs it)")
+    resolver = ', "cluster_resolver": "mpi"' if launcher == "mpirun" else ""
     options = Code('{"param_sync_step": 3, "startup_timeout": 120, "time_limit": 30 if _worker == 0 else 3000, '
-                   '"stop_before_time_limit": 10}')
+                   f'"stop_before_time_limit": 10{resolver}}}')
+    worker_index = 'import os\n_worker = int(os.environ["OMPI_COMM_WORLD_RANK"])\n' if launcher == "mpirun" else WORKER_INDEX
     (tmp_path / "train.config").write_text(config_12ax(
-        WORKER_INDEX, train={"class": "Task12AXDataset", "num_seqs": 300}, num_epochs=100, distribute_options=options))
-    result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
-    assert result.returncode == 75, result.stdout[-3000:]
-    stops = [line for line in result.stdout.splitlines() if "returnn-tpu: stopped" in line]
+        worker_index, train={"class": "Task12AXDataset", "num_seqs": 300}, num_epochs=100, distribute_options=options))
+    if launcher == "mpirun":
+        env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        result = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
+                                 "train.config"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    else:
+        result = run_cli(["--local-workers", "2", "train.config"], cwd=tmp_path)
+    assert result.returncode == 75, result.stdout[-3000:] + result.stderr[-3000:]
+    stops = [line for line in (result.stdout + result.stderr).splitlines() if "returnn-tpu: stopped" in line]
     assert len(stops) == 2 and all("stopped before the time limit" in line for line in stops), stops
     assert "signal" not in " ".join(stops)
 
