@@ -22,6 +22,7 @@ RUNS = {
     "local_sgd_quality.py": ["--smoke"],
     "lm_quality.py": ["--smoke"],
     "memory.py": [TINY_CONFIG],
+    "memory_growth.py": ["--smoke"],
     "multi_worker.py": ["--smoke"],
     "overhead.py": ["--smoke"],
     "regroup.py": ["--smoke"],
