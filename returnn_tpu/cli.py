@@ -293,15 +293,23 @@ def _abort_mpi_job(status: int):
     mpi.COMM_WORLD.Abort(status)
 
 
+REFUSAL_WAIT_SECONDS = 30.0  # how long a refusing worker looks for another that waits for it
+
+
 def _report_refusal_to_cluster(cluster, options, message: str):
-    """Under ``TF_CONFIG`` (workers started one by one: no ``mpirun`` to abort, maybe no launcher to
-    stop the others), a worker that refuses its input ends the others through TensorFlow's
-    coordination service: it joins the cluster if it has not yet (the others wait for it there;
-    once all of them answer on their ports, within ``startup_timeout``), reports the refusal, and each
-    other worker's next collective fails with it, which they print as this refusal and exit 2
-    (:func:`_training_failure`; FACTS.md, "A refusal under TF_CONFIG")."""
+    """Under ``TF_CONFIG`` (no ``mpirun`` to abort; workers that wait in TensorFlow's start-up hold
+    the GIL and do not act on the launcher's SIGTERM), a worker that refuses its input ends the
+    others through TensorFlow's coordination service: it joins the cluster if it has not yet,
+    reports the refusal, and each other worker's next collective fails with it, which they print
+    as this refusal and exit 2 (:func:`_training_failure`; FACTS.md, "A refusal under TF_CONFIG").
+    To join, the others must be waiting for it (answering on their ports). Workers started one by
+    one may come later: it looks for one for :data:`REFUSAL_WAIT_SECONDS`; under returnn-tpu's
+    launcher, which stops workers that have not reached the start-up, it does not wait."""
+    from returnn_tpu.launcher import LAUNCHED_WORKER_ENV
+
     if cluster is None or cluster.kind != "tf_config" or cluster.num_workers < 2 or options is None:
         return
+    wait_for_any = 0.0 if os.environ.get(LAUNCHED_WORKER_ENV) else REFUSAL_WAIT_SECONDS
     import dataclasses
 
     import tensorflow as tf
@@ -316,11 +324,13 @@ def _report_refusal_to_cluster(cluster, options, message: str):
         own = (cluster.resolver.task_type, cluster.resolver.task_id)
         peers = {f"{job} {i}": address for job in spec.jobs for i, address in enumerate(spec.job_tasks(job))
                  if (job, i) != own}
-        deadline = time.time() + options.startup_timeout  # the others may not have started yet
-        while unanswered(peers) and time.time() < deadline:
+        start = time.time()
+        while unanswered(peers):
+            waited = time.time() - start
+            if (len(unanswered(peers)) == len(peers) and waited >= wait_for_any) or \
+                    waited > options.startup_timeout:
+                return  # nobody waits for this worker: each ends by itself, or names it at its startup_timeout
             time.sleep(0.5)
-        if unanswered(peers):
-            return  # they did not come: each ends at its own startup_timeout, naming this worker
         make_strategy(dataclasses.replace(options, startup_timeout=min(options.startup_timeout, 30.0)), cluster)
     context.context().report_error_to_cluster(
         tf.errors.INVALID_ARGUMENT, f"{REFUSAL_PREFIX}worker {cluster.worker_index}: {message}")

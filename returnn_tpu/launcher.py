@@ -54,6 +54,8 @@ LOST_WORKER_SECONDS = 60.0
 # The signals that stop training at a step boundary with the combined model saved (SIGHUP: a
 # closed terminal or ssh session, and some batch systems' warning before a kill).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Set for the workers this launcher starts (it stops those that have not reached TensorFlow's start-up).
+LAUNCHED_WORKER_ENV = "RETURNN_TPU_LAUNCHED_WORKER"
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -167,7 +169,8 @@ def _run_once(num_workers: int, args: List[str]) -> int:
     workers, threads = [], []
     try:
         for index in range(num_workers):
-            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+                       **{LAUNCHED_WORKER_ENV: "1"})
             proc = subprocess.Popen(
                 [sys.executable, "-m", "returnn_tpu.cli", *args],
                 env=env,
