@@ -312,14 +312,12 @@ def _report_refusal_to_cluster(cluster, options, message: str):
     wait_for_any = 0.0 if os.environ.get(LAUNCHED_WORKER_ENV) else REFUSAL_WAIT_SECONDS
     import dataclasses
 
-    import tensorflow as tf
-    from tensorflow.python.eager import context
-
     from returnn_tpu.faults import REFUSAL_PREFIX
     from returnn_tpu.strategies import make_strategy
+    from returnn_tpu.strategies.multi_worker import joined_cluster, report_error_to_cluster
     from returnn_tpu.strategies.startup_watchdog import unanswered
 
-    if context.context().coordination_service is None:  # not joined yet
+    if not joined_cluster():
         spec = cluster.resolver.cluster_spec()
         own = (cluster.resolver.task_type, cluster.resolver.task_id)
         peers = {f"{job} {i}": address for job in spec.jobs for i, address in enumerate(spec.job_tasks(job))
@@ -332,8 +330,7 @@ def _report_refusal_to_cluster(cluster, options, message: str):
                 return  # nobody waits for this worker: each ends by itself, or names it at its startup_timeout
             time.sleep(0.5)
         make_strategy(dataclasses.replace(options, startup_timeout=min(options.startup_timeout, 30.0)), cluster)
-    context.context().report_error_to_cluster(
-        tf.errors.INVALID_ARGUMENT, f"{REFUSAL_PREFIX}worker {cluster.worker_index}: {message}")
+    report_error_to_cluster(f"{REFUSAL_PREFIX}worker {cluster.worker_index}: {message}")
     time.sleep(2.0)  # worker 0 hosts the service: it stays while the others are told
 
 

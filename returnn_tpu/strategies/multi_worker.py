@@ -24,9 +24,22 @@ import sys
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as car
+from tensorflow.python.eager import context
 
 from returnn_tpu.strategies import startup_watchdog
 from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, ScheduledLocalSGDMixin
+
+
+def joined_cluster() -> bool:
+    """Whether this process has joined a multi-worker cluster (TensorFlow's coordination service
+    is configured once it has)."""
+    return context.context().coordination_service is not None
+
+
+def report_error_to_cluster(message: str):
+    """Hands ``message`` to TensorFlow's coordination service as an error of this worker: every
+    other worker's next (or pending) collective fails with it (FACTS.md, "A refusal under TF_CONFIG")."""
+    context.context().report_error_to_cluster(tf.errors.INVALID_ARGUMENT, message)
 
 
 def communication_options(collective_timeout, bucket_bytes: int):
