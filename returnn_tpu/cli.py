@@ -330,8 +330,8 @@ def _report_refusal_to_cluster(cluster, options, message: str):
                 return  # nobody waits for this worker: each ends by itself, or names it at its startup_timeout
             time.sleep(0.5)
         make_strategy(dataclasses.replace(options, startup_timeout=min(options.startup_timeout, 30.0)), cluster)
-    report_error_to_cluster(f"{REFUSAL_PREFIX}worker {cluster.worker_index}: {message}")
-    time.sleep(2.0)  # worker 0 hosts the service: it stays while the others are told
+    if report_error_to_cluster(f"{REFUSAL_PREFIX}worker {cluster.worker_index}: {message}"):
+        time.sleep(2.0)  # worker 0 hosts the service: it stays while the others are told
 
 
 def _training_failure(exc: Exception, cluster) -> int:

@@ -36,10 +36,15 @@ def joined_cluster() -> bool:
     return context.context().coordination_service is not None
 
 
-def report_error_to_cluster(message: str):
+def report_error_to_cluster(message: str) -> bool:
     """Hands ``message`` to TensorFlow's coordination service as an error of this worker: every
-    other worker's next (or pending) collective fails with it (FACTS.md, "A refusal under TF_CONFIG")."""
-    context.context().report_error_to_cluster(tf.errors.INVALID_ARGUMENT, message)
+    other worker's next (or pending) collective fails with it (FACTS.md, "A refusal under TF_CONFIG").
+    False if the service holds an error already (another worker reported first)."""
+    try:
+        context.context().report_error_to_cluster(tf.errors.INVALID_ARGUMENT, message)
+    except tf.errors.OpError:
+        return False
+    return True
 
 
 def communication_options(collective_timeout, bucket_bytes: int):
