@@ -169,8 +169,8 @@ def _run_once(num_workers: int, args: List[str]) -> int:
     workers, threads = [], []
     try:
         for index in range(num_workers):
-            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
-                       **{LAUNCHED_WORKER_ENV: "1"})
+            task = {"type": "worker", "index": index}
+            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": task}), **{LAUNCHED_WORKER_ENV: "1"})
             proc = subprocess.Popen(
                 [sys.executable, "-m", "returnn_tpu.cli", *args],
                 env=env,
