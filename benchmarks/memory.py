@@ -38,17 +38,22 @@ def _children() -> dict:
     return children
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` (0 if it ended meanwhile, or is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def tree_rss_bytes(pid: int) -> int:
     """Resident bytes of ``pid`` and its descendants."""
     children, total, todo = _children(), 0, [pid]
     while todo:
         current = todo.pop()
         todo.extend(children.get(current, []))
-        try:
-            with open(f"/proc/{current}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            continue  # ended meanwhile, or a zombie
+        total += rss_bytes(current)
     return total
 
 

@@ -35,15 +35,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "demos", "demo-local-sgd.12ax.config")
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from memory import _children  # noqa: E402  (benchmarks/memory.py)
+from memory import _children, rss_bytes  # noqa: E402  (benchmarks/memory.py)
 
 
 def _rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-    except (OSError, StopIteration):
-        return float("nan")
+    """Resident MB of ``pid``; NaN if it ended meanwhile (left out of the fit)."""
+    return rss_bytes(pid) / 2**20 or float("nan")
 
 
 def _cmdline(pid: int) -> str:
