@@ -22,7 +22,7 @@ class CurrentNetwork:
 
     ``networks`` (:class:`returnn_tpu.networks.EpochNetworks`) says which network each epoch
     trains, ``builder`` (:class:`returnn_tpu.returnn_bridge.NetworkBuilder`) builds it, ``syncs``
-    (:mod:`returnn_tpu.sync.lifecycle`) and ``data`` (:class:`returnn_tpu.epochs.EpochData`) hear of
+    (:mod:`returnn_tpu.strategies.sync.lifecycle`) and ``data`` (:class:`returnn_tpu.epochs.EpochData`) hear of
     a change, ``workers`` check that every worker has the same network.
     """
 
@@ -42,7 +42,7 @@ class CurrentNetwork:
         self.worker_index = worker_index
         self.log = log
         self.steps = self._replica_steps()
-        if self.steps.in_step and batches_per_update > 1:
+        if syncs.updates_in_replica and batches_per_update > 1:
             raise ConfigError(
                 f"accum_grad_multiple_step cannot be used with {options.strategy!r} yet (the update is "
                 "inside the compiled step); use 'local_sgd' or 'mirrored'"
@@ -60,8 +60,7 @@ class CurrentNetwork:
             self.builder,
             self.optimizer,
             jit_compile=self.options.jit_compile,
-            averaging=self.syncs.averaging,
-            num_fragments=self.options.sync_fragments,
+            syncs=self.syncs,
             gradients=GradientOptions.from_config(self.config),
             step_learning_rate=StepLearningRate.from_config(self.config),
             accumulate=self.batches_per_update > 1,

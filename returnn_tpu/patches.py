@@ -348,28 +348,3 @@ def function_graph(name: str, python_function, signature) -> None:
     """Traces ``python_function`` once into a graph that is never run (a ``tf.function`` whose first
     trace creates variables traces twice; FACTS.md, "One trace for all replicas")."""
     _func_graph.func_graph_from_py_func(name, python_function, None, None, signature=signature)
-
-
-class BackgroundCalls:
-    """Calls of ``tf.function`` s that return at once and run on an executor thread of their own.
-
-    A collective takes its instance key when its function is called, in the calling thread, and
-    workers pair collectives by key; a call made here draws its keys in this thread's order, the
-    same on every worker, while the work (an all-reduce, for minutes on a slow network) runs
-    beside whatever this thread calls next (FACTS.md, "Overlapped syncs").
-    """
-
-    def __init__(self):
-        from tensorflow.python.eager import context, executor
-
-        self._context = context
-        self._executor = executor.new_executor(enable_async=True)
-
-    def call(self, function, *args):
-        """Starts ``function(*args)``; its results are not returned (it works on variables)."""
-        with self._context.executor_scope(self._executor):
-            function(*args)
-
-    def wait(self):
-        """Waits until every call has run; raises the first error one of them raised."""
-        self._executor.wait()

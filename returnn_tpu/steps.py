@@ -4,15 +4,14 @@ A train step is a ``tf.function`` that calls ``strategy.run`` on the per-replica
 backward pass (the RETURNN network is built inside that trace, see
 :mod:`returnn_tpu.returnn_bridge`), optionally compiled by XLA. The update then happens
 
-* in cross-replica context (CPU/GPU strategies): :meth:`Optimizer.apply` averages the gradients
-  over the replicas (local SGD: not at all) and updates every copy; local-SGD syncs are separate
-  calls of :meth:`ReplicaSteps.sync` between steps;
+* in cross-replica context (CPU/GPU strategies): :meth:`Optimizer.apply` updates every copy,
+  with the replicas' mean gradient or each replica's own, as the strategy's ``syncs`` say;
 * or inside ``strategy.run`` (TPU strategies, and ``local_sgd_tpu`` on local devices): every
-  replica applies its (for synchronous training: all-reduced) gradients, and local SGD syncs
-  under ``tf.cond`` on which fragments the host says are due, all in one program.
+  replica applies the gradients ``syncs`` give it, and the step runs what ``syncs`` add to it
+  (the sync due), all in one program.
 
-Either way the sync itself is :mod:`returnn_tpu.sync`'s, and the host's
-:class:`returnn_tpu.sync.SyncSchedule` decides when it is due.
+``syncs`` is the trainer's side of the strategy (:mod:`returnn_tpu.strategies.sync.lifecycle`):
+what combines the copies, and when, is its; this module never asks which strategy it runs.
 
 Gradients are treated as RETURNN's updater treats them, in its order: ``maximize_grad_norm``
 added, summed over ``accum_grad_multiple_step`` micro-batches (:meth:`ReplicaSteps.accumulate`
@@ -32,18 +31,15 @@ import tensorflow as tf
 from returnn_tpu.data import read_ahead
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer, StepLearningRate
-from returnn_tpu.patches import BackgroundCalls, SharedBuildUnsupported, function_graph, variables_over_handles
+from returnn_tpu.patches import SharedBuildUnsupported, function_graph, variables_over_handles
 from returnn_tpu.returnn_bridge import NetworkBuilder, SharedBuild, loss_metrics, static_replica_id, without_summaries
-from returnn_tpu.strategies import distribute_local_values, is_local_sgd, syncs_in_step, varying_shapes_spec
-from returnn_tpu.sync import ParameterAveraging, SyncDue, mean_over_all_replicas, mean_within_groups
-from returnn_tpu.sync import split_into_fragments
+from returnn_tpu.strategies import CopiesAlwaysEqual, SyncDue, distribute_local_values, varying_shapes_spec
 
 
 class ReplicaSteps:
     """The step functions for one strategy, network and optimizer.
 
-    :param averaging: how local SGD combines the copies (None for synchronous strategies).
-    :param num_fragments: streaming syncs: the parameters in this many fragments of about equal bytes.
+    :param syncs: the trainer's side of the strategy (:func:`returnn_tpu.strategies.make_syncs`).
     :param worker_index: this worker's index in the cluster (0 on one machine).
     """
 
@@ -54,8 +50,7 @@ class ReplicaSteps:
         optimizer: Optimizer,
         *,
         jit_compile: bool,
-        averaging: Optional[ParameterAveraging] = None,
-        num_fragments: int = 1,
+        syncs: CopiesAlwaysEqual,
         gradients: GradientOptions = GradientOptions(),
         step_learning_rate: StepLearningRate = StepLearningRate(),
         accumulate: bool = False,
@@ -64,19 +59,13 @@ class ReplicaSteps:
         self.strategy = strategy
         self.builder = builder
         self.optimizer = optimizer
-        self.averaging = averaging
-        self.num_fragments = num_fragments
-        self.fragments: List[List[str]] = []  # parameter names per fragment, known after the first trace
+        self.syncs = syncs
         self.gradients = gradients
         self.step_learning_rate = step_learning_rate  # RETURNN's dynamic_learning_rate (per update)
         self.accumulators: Optional[Dict[str, tf.Variable]] = {} if accumulate else None  # per-replica gradient sums
         self.num_replicas = strategy.num_replicas_in_sync  # over all workers
         self.local_replicas = len(strategy.extended.worker_devices)
         self.first_replica = worker_index * self.local_replicas  # global index of this worker's first
-        self.local_sgd = is_local_sgd(strategy)
-        if self.local_sgd and averaging is None:
-            raise ValueError("a local-SGD strategy needs an averaging")
-        self.in_step = syncs_in_step(strategy)
         self.trainable_names: Optional[List[str]] = None  # known after the first trace
         self.compiled_shapes = set()  # input shapes the XLA replica step was compiled for
         self.jit_compile = jit_compile
@@ -84,15 +73,14 @@ class ReplicaSteps:
         self.compilations = 0  # since the last take_compilations()
         self.compile_seconds = 0.0  # those calls' time: trace, compilation (or cache load), one step
         self.nonfinite: Dict[str, tf.Variable] = {}  # see take_nonfinite()
-        self.gradient_bytes = 0  # this worker's gradients in one update's all-reduce (synchronous strategies)
         # Without XLA, on several local devices: one trace of the network for all local replicas,
         # each calling it with its own variables (FACTS.md, "One trace for all replicas").
-        self.shared_trace = not jit_compile and not self.in_step and self.local_replicas > 1
+        self.shared_trace = not jit_compile and not syncs.updates_in_replica and self.local_replicas > 1
         self._shared_functions: Dict[str, Optional[tf.types.experimental.ConcreteFunction]] = {}
         self._shared_lock = threading.Lock()  # the replicas' trace threads: the first traces, the others wait
         # With XLA: one trace (and compilation) per bucket shape; else one trace for all shapes.
         self._train = tf.function(
-            self._train_in_replica_fn if self.in_step else self._train_fn,
+            self._train_in_replica_fn if syncs.updates_in_replica else self._train_fn,
             autograph=False,
             reduce_retracing=not jit_compile,
         )
@@ -101,14 +89,6 @@ class ReplicaSteps:
         )
         self._evaluate = tf.function(self._evaluate_fn, autograph=False, reduce_retracing=not jit_compile)
         self._jit_evaluate = tf.function(self._evaluate_xla, autograph=False, jit_compile=True) if jit_compile else None
-        self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
-        self._start_sync = tf.function(self._start_sync_fn, autograph=False)
-        # Overlapped syncs: snapshot, all-reduce (run in the background) and apply.
-        self._snapshot = tf.function(self._snapshot_fn, autograph=False)
-        self._reduce = tf.function(self._reduce_fn, autograph=False)
-        self._apply = tf.function(self._apply_fn, autograph=False)
-        self._background: Optional[BackgroundCalls] = None  # host path: where the all-reduce in flight runs
-        self._unreduced: Tuple[int, ...] = ()  # in-step path: fragments taken by the last step, reduced by the next
         # Per-replica batches -> (per-replica gradients by name, metrics), without an update.
         self.replica_gradients = tf.function(
             lambda batches: self.strategy.run(self._replica_train, args=(batches,)), autograph=False
@@ -189,37 +169,21 @@ class ReplicaSteps:
                                  aggregation=tf.VariableAggregation.SUM)
                 for key, dtype in (("count", tf.int64), ("first_step", tf.int64), ("first_loss", tf.float32))
             }
-        sizes = {name: var.shape.num_elements() * var.dtype.size for name, var in self.trainable().items()}
-        if not self.local_sgd and self.num_replicas > 1:  # each update all-reduces the gradients
-            self.gradient_bytes = self.local_replicas * sum(sizes.values())
-        if self.local_sgd:
-            self.fragments = split_into_fragments(sizes, self.num_fragments)
-            self.averaging.create_state(self.strategy, self.trainable())
+        self.syncs.attach(self.trainable, self.optimizer)
         self._train.get_concrete_function(*self._train_args(self._signature(self.distribute(first_step)), 0.0, None))
 
     def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue], update: bool = True) -> tuple:
         args = (batches, tf.constant(learning_rate, tf.float32))
         if self.accumulators is not None:  # a micro-batch only adds its gradients to the sums
             args += (tf.constant(update),)
-        if self.in_step and self.local_sgd:  # which fragments the step syncs, decided by the host
-            args += (self._fragment_flags(due.fragments if due else ()),)
-            if self.averaging.overlapped:  # which the step applies, of the sync in flight, and which it all-reduces
-                args += (self._fragment_flags(due.applied if due else ()), self._fragment_flags(self._unreduced))
-        return args
-
-    def _fragment_flags(self, fragments: Tuple[int, ...]) -> tf.Tensor:
-        return tf.constant([i in fragments for i in range(self.num_fragments)])
+        return args + self.syncs.step_flags(due)  # the in-step path: what the step syncs
 
     def train(self, step_batches: List, learning_rate: float, due: Optional[SyncDue] = None) -> Dict:
-        """One update; returns the per-replica metrics. For in-step local SGD, the step also syncs
-        what ``due`` names (the host-driven path syncs with :meth:`sync` afterwards)."""
-        if due is not None and due.local and self.in_step:
-            raise ValueError("worker-local syncs need merge_call, which the in-step path does not have")
+        """One update; returns the per-replica metrics. On the in-step path, the step also syncs
+        what ``due`` names (the host path syncs after it: ``syncs.after_update``)."""
         shape = tuple(sorted((key, value.shape) for key, value in step_batches[0].items())) if self.jit_compile else None
         start = time.perf_counter()
         metrics = self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
-        if self.in_step and self.local_sgd and self.averaging.overlapped:
-            self._unreduced = due.fragments if due else ()  # the next step all-reduces what this one took
         if shape is not None and shape not in self._run_shapes:  # this call compiled the step
             self._run_shapes.add(shape)
             self.compilations += 1
@@ -260,44 +224,6 @@ class ReplicaSteps:
         if function.experimental_get_tracing_count() == 0:
             function.get_concrete_function(*self._signature(args))
         return function(*args)
-
-    def sync(self, due: SyncDue, learning_rate: float):
-        """Combines the copies as ``due`` says (between steps; local SGD)."""
-        self._sync(tuple(due.fragments), due.local, tf.constant(learning_rate, tf.float32))
-
-    def start_overlapped(self, fragments: Tuple[int, ...]):
-        """Overlapped syncs (host path): takes each replica's change of ``fragments`` now and starts
-        their all-reduce, which runs in the background while the next steps compute."""
-        fragments = tuple(fragments)
-        self._snapshot(fragments)
-        if self._background is None:
-            self._background = BackgroundCalls()
-        self._background.call(self._reduce, fragments)
-
-    def finish_overlapped(self, fragments: Tuple[int, ...], learning_rate: float):
-        """Overlapped syncs: waits for the all-reduce in flight (host path; an error in it, such as
-        a lost peer, is raised here; in-step path: all-reduces what no step has yet) and applies
-        the sync of ``fragments``."""
-        if self._background is not None:
-            self._background.wait()  # bounded by the collective's own timeout and the peers' health check
-        if self._unreduced:
-            self._reduce(self._unreduced)
-            self._unreduced = ()
-        self._apply(tuple(fragments), tf.constant(learning_rate, tf.float32))
-
-    def start_sync(self):
-        """Makes all copies, on all workers, one model and the averaging's anchor (no outer step)."""
-        self._start_sync()
-
-    def sync_bytes(self, due: SyncDue) -> int:
-        """Bytes this worker hands to the collective of one local-SGD sync of ``due``."""
-        if self.num_replicas == 1 or due.local:
-            return 0  # nothing leaves the replica, or the worker
-        variables = self.trainable()
-        names = [name for i in due.fragments for name in self.fragments[i]]
-        return self.local_replicas * self.averaging.bytes_per_replica(
-            {name: variables[name] for name in names}, self.optimizer.slots_by_variable()
-        )
 
     def take_nonfinite(self) -> List[Tuple[int, int, float]]:
         """Per local replica: updates skipped because their loss or gradient was NaN or Inf since
@@ -444,13 +370,10 @@ class ReplicaSteps:
         grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
 
         def apply():
-            ok = finite
-            if not self.local_sgd:  # one replica's non-finite gradient spoils the mean: all skip
-                bad = self.strategy.run(lambda ok: tf.cast(tf.logical_not(ok), tf.int32), args=(finite,))
-                ok = tf.equal(self.strategy.reduce(tf.distribute.ReduceOp.SUM, bad, axis=None), 0)
+            ok = self.syncs.all_finite(finite)
             rate = self.step_learning_rate(learning_rate, self.optimizer.step.read_value())
             with tf.control_dependencies([self.optimizer.apply(self.strategy, grads_and_vars, rate,
-                                                               reduce=not self.local_sgd, apply_if=ok)]):
+                                                               reduce=self.syncs.reduces_gradients, apply_if=ok)]):
                 return tf.constant(True)
 
         # Runs although unused: tf.function keeps stateful ops. A micro-batch neither updates nor
@@ -458,30 +381,18 @@ class ReplicaSteps:
         tf.cond(update, apply, lambda: tf.constant(False)) if update is not None else apply()
         return metrics
 
-    def _train_in_replica_fn(self, batch, learning_rate, due=None, applied=None, reducing=None):
-        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, due, applied, reducing))
+    def _train_in_replica_fn(self, batch, learning_rate, *sync_flags):
+        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, *sync_flags))
 
-    def _replica_train_and_apply(self, batch, learning_rate, due, applied, reducing):
-        # Overlapped syncs: the all-reduce of the last step's snapshot depends on nothing of this
-        # step's forward and backward pass, so they may run at the same time.
-        for index in range(self.num_fragments if reducing is not None else 0):
-            tf.cond(reducing[index], lambda i=index: self._replica_reduce((i,)), lambda: tf.constant(False))
+    def _replica_train_and_apply(self, batch, learning_rate, *sync_flags):
+        self.syncs.before_update_in_replica(sync_flags)
         grads, metrics, finite = self._replica_update_gradients(batch)
         names = sorted(grads)
-        grad_list = [grads[name] for name in names]
-        if not self.local_sgd:
-            context = tf.distribute.get_replica_context()
-            grad_list = context.all_reduce(tf.distribute.ReduceOp.MEAN, grad_list)
-            finite = tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.int32)), 0)
+        grad_list, finite = self.syncs.gradients_in_replica([grads[name] for name in names], finite)
         variables = [self.builder.variables.by_name[name] for name in names]
         rate = self.step_learning_rate(learning_rate, self.optimizer.step.read_value())
         self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), rate, apply_if=finite)
-        # The syncs, ordered after the update (same resources): the one in flight applied, then what is due.
-        for index in range(self.num_fragments if applied is not None else 0):
-            tf.cond(applied[index], lambda i=index: self._replica_apply((i,), learning_rate), lambda: tf.constant(False))
-        for index in range(self.num_fragments if self.local_sgd else 0):
-            sync = self._replica_start_overlapped if applied is not None else self._replica_sync
-            tf.cond(due[index], lambda i=index: sync((i,), False, learning_rate), lambda: tf.constant(False))
+        self.syncs.after_update_in_replica(sync_flags, learning_rate)
         return metrics
 
     def _replica_evaluate(self, batch, weight):
@@ -504,49 +415,3 @@ class ReplicaSteps:
 
     def _evaluate_fn(self, batch, weight):
         return self.strategy.run(self._replica_evaluate, args=(batch, weight))
-
-    def _replica_sync(self, fragments: Tuple[int, ...], local: bool, learning_rate) -> tf.Tensor:
-        """In replica context: the sync of the named fragments, or a worker-local one."""
-        self.averaging.sync_in_replica(
-            self.strategy,
-            self.trainable() if local else self._fragment_variables(fragments),
-            mean_within_groups(self.local_replicas) if local else mean_over_all_replicas,
-            learning_rate=learning_rate,
-            slots=self.optimizer.slots_by_variable(),
-            slot_step=self.optimizer.slot_step,
-            outer_step=not local,
-        )
-        return tf.constant(True)
-
-    def _fragment_variables(self, fragments: Tuple[int, ...]) -> Dict[str, tf.Variable]:
-        variables = self.trainable()
-        return {name: variables[name] for i in fragments for name in self.fragments[i]}
-
-    def _replica_start_overlapped(self, fragments: Tuple[int, ...], local: bool, learning_rate) -> tf.Tensor:
-        """In-step path: an overlapped sync's snapshot, after the update of the step it starts at."""
-        self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments))
-        return tf.constant(True)
-
-    def _replica_reduce(self, fragments: Tuple[int, ...]) -> tf.Tensor:
-        self.averaging.reduce_in_replica(self.strategy, list(self._fragment_variables(fragments)))
-        return tf.constant(True)
-
-    def _replica_apply(self, fragments: Tuple[int, ...], learning_rate) -> tf.Tensor:
-        self.averaging.apply_in_replica(self.strategy, self._fragment_variables(fragments), learning_rate=learning_rate)
-        return tf.constant(True)
-
-    def _snapshot_fn(self, fragments: Tuple[int, ...]):
-        self.strategy.run(lambda: self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments)))
-
-    def _reduce_fn(self, fragments: Tuple[int, ...]):
-        self.strategy.run(self._replica_reduce, args=(fragments,))
-
-    def _apply_fn(self, fragments: Tuple[int, ...], learning_rate):
-        self.strategy.run(self._replica_apply, args=(fragments, learning_rate))
-
-    def _sync_fn(self, fragments: Tuple[int, ...], local: bool, learning_rate):
-        self.strategy.run(self._replica_sync, args=(fragments, local, learning_rate))
-
-    def _start_sync_fn(self):
-        self.strategy.run(lambda: self.averaging.start_in_replica(self.strategy, self.trainable()))
-

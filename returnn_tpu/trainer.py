@@ -2,9 +2,10 @@
 
 Each decision has its own owner, which the loop asks: which network an epoch trains and its
 compiled step functions :mod:`returnn_tpu.current_network`, what an epoch's batches are
-:mod:`returnn_tpu.epochs`, when the copies are combined :mod:`returnn_tpu.sync` (its ``lifecycle``), the checkpoints
-:class:`returnn_tpu.checkpoints.RunCheckpoints`, what stops a run :mod:`returnn_tpu.faults`, what is
-reported :mod:`returnn_tpu.reporting`, and the collectives between workers
+:mod:`returnn_tpu.epochs`, when and how the copies are combined the strategy's syncs
+(:func:`returnn_tpu.strategies.make_syncs`), the checkpoints
+:class:`returnn_tpu.checkpoints.RunCheckpoints`, what stops a run :mod:`returnn_tpu.faults`, what
+is reported :mod:`returnn_tpu.reporting`, and the collectives between workers
 :mod:`returnn_tpu.workers`; this module runs them in order. For local SGD,
 the copies are always combined before a checkpoint and before dev evaluation, so both see the
 combined model. With several workers, worker 0 (the chief) alone writes files.
@@ -32,9 +33,8 @@ from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress, evaluate
 from returnn_tpu.returnn_bridge import NetworkBuilder
-from returnn_tpu.strategies import is_local_sgd, make_strategy
+from returnn_tpu.strategies import make_strategy, make_syncs
 from returnn_tpu.startup import check_config
-from returnn_tpu.sync import make_syncs
 from returnn_tpu.workers import WorkerCollectives
 
 
@@ -59,8 +59,7 @@ class Trainer:
         self.cluster = cluster or Cluster("local", None)
         self.strategy = make_strategy(options, self.cluster)
         self.workers = WorkerCollectives(self.strategy, self.cluster.worker_index)
-        self.syncs = make_syncs(options, local_sgd=is_local_sgd(self.strategy), num_workers=self.cluster.num_workers,
-                                local_replicas=len(self.strategy.extended.worker_devices), any_worker=self.workers.any)
+        self.syncs = make_syncs(options, self.strategy, num_workers=self.cluster.num_workers, any_worker=self.workers.any)
         self.networks = EpochNetworks(config)
         self.builder = NetworkBuilder(config, net_dict=self.networks.net_dict(1))
         self.optimizer = optimizer_from_config(config)
@@ -128,7 +127,7 @@ class Trainer:
             self._resume_prefix = None
             self.batches_trained = int(self.optimizer.step.numpy()) * self.batches_per_update
             self.network.created_in_epoch = 0
-        self.syncs.at_network_start(self.steps)
+        self.syncs.at_network_start()
         point = self.checkpoints.last_sync  # marked at the epoch's start; a restore changed the update count
         if point:
             self.checkpoints.synced(point.epoch, point.steps_done, self.updates_done)
@@ -144,7 +143,7 @@ class Trainer:
     def sync(self, stats: Optional[EpochStats] = None):
         """Makes the replicas' copies one model now (local SGD; synchronous strategies' copies are
         always equal); counted in ``stats``."""
-        self.syncs.now(self.steps, self.learning_rate, stats)
+        self.syncs.now(self.learning_rate, stats)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -228,8 +227,7 @@ class Trainer:
         self.learning_rate = learning_rate
         due = self.syncs.due()
         metrics = self.steps.train(step_batches, learning_rate, due)
-        stats.sync_bytes += self.steps.gradient_bytes  # synchronous strategies: the gradients
-        if self.syncs.after_update(self.steps, due, learning_rate, stats) and at:
+        if self.syncs.after_update(due, learning_rate, stats) and at:
             self.checkpoints.synced(at[0], at[1] + 1, self.updates_done)
         return metrics
 
@@ -275,7 +273,7 @@ class Trainer:
         if not self.network.built:  # continued at the epoch's end (the model of its last sync): no step ran
             self._build(self.data.placeholder_step())
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
-        self.syncs.at_epoch_end(self.steps, learning_rate, stats)
+        self.syncs.at_epoch_end(learning_rate, stats)
         self.checkpoints.synced(epoch, batches.steps_done, self.updates_done)
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)

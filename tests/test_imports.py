@@ -41,14 +41,31 @@ def imports_of(relative: str):
 def test_the_source_tree_is_where_the_rules_look():
     found = set(sources())
     assert {"trainer.py", "data.py", "producer.py", os.path.join("strategies", "__init__.py"),
-            os.path.join("sync", "schedule.py"), os.path.join("cluster", "mpi.py")} <= found
+            os.path.join("strategies", "sync", "schedule.py"), os.path.join("cluster", "mpi.py")} <= found
 
 
-@pytest.mark.parametrize("folder", ["strategies", "sync", "cluster"])
-def test_strategies_sync_and_cluster_never_import_returnn(folder):
+@pytest.mark.parametrize("folder", ["strategies", "cluster"])
+def test_strategies_and_cluster_never_import_returnn(folder):
     offending = {relative: sorted(m for m in imports_of(relative) if m == "returnn" or m.startswith("returnn."))
                  for relative in sources(folder)}
     assert {k: v for k, v in offending.items() if v} == {}
+
+
+def test_only_the_strategies_know_what_kind_of_strategy_runs():
+    """The trainer is one client of the strategies' surface (``make_strategy``, ``make_syncs``):
+    outside strategies/, nothing asks whether a strategy is local SGD or runs its syncs in the
+    step, and nothing reaches into the sync's modules."""
+    private = ("returnn_tpu.strategies.local_sgd.is_local_sgd", "returnn_tpu.strategies.local_sgd.updates_in_replica")
+    offending = {}
+    for relative in sources():
+        if relative.startswith("strategies" + os.sep):
+            continue
+        found = sorted(m for m in imports_of(relative)
+                       if m in private or m.startswith("returnn_tpu.strategies.sync."))
+        if found:
+            offending[relative] = found
+    assert offending == {}
+    assert "returnn_tpu.strategies.sync.make_syncs" in imports_of(os.path.join("strategies", "__init__.py"))
 
 
 @pytest.mark.parametrize("relative", ["data.py", "producer.py"])

@@ -18,8 +18,8 @@ LSTM = {
 }
 
 
-@pytest.mark.parametrize("module", ["returnn_tpu.strategies.local_sgd", "returnn_tpu.sync.averaging",
-                                    "returnn_tpu.sync.fragments"])
+@pytest.mark.parametrize("module", ["returnn_tpu.strategies.local_sgd", "returnn_tpu.strategies.sync.averaging",
+                                    "returnn_tpu.strategies.sync.fragments"])
 def test_docstring_example(module):
     import importlib
 

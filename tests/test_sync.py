@@ -1,4 +1,4 @@
-"""Local SGD's variants (returnn_tpu.sync) on logical CPU devices, through the real trainer."""
+"""Local SGD's variants (returnn_tpu.strategies.sync) on logical CPU devices, through the real trainer."""
 
 import numpy
 import pytest
@@ -97,7 +97,7 @@ def test_in_step_sync_equals_host_sync_over_epochs_of_odd_length(tmp_path, optio
                       jit_compile=False, **options)
     steps = [m["steps"] for m in _metrics(tmp_path / "host")]
     assert all(s % 5 for s in steps), steps  # epochs end mid-cycle
-    assert in_step.steps.in_step and not host.steps.in_step
+    assert in_step.syncs.updates_in_replica and not host.syncs.updates_in_replica
     assert_params_close(params(in_step), params(host), atol=1e-5)
     assert [m["syncs"] for m in _metrics(tmp_path / "in_step")] == [m["syncs"] for m in _metrics(tmp_path / "host")]
 
@@ -126,7 +126,7 @@ def test_bfloat16_syncs_stay_close_to_float32_syncs(tmp_path):
 def test_hierarchical_groups_average_alone_then_all_together():
     from returnn_tpu.options import DistributeOptions
     from returnn_tpu.strategies import make_strategy
-    from returnn_tpu.sync import ParameterAveraging, mean_over_all_replicas, mean_within_groups
+    from returnn_tpu.strategies.sync import ParameterAveraging, mean_over_all_replicas, mean_within_groups
 
     strategy = make_strategy(DistributeOptions(strategy="local_sgd", num_replicas=4))
     with strategy.scope():
@@ -153,7 +153,7 @@ def test_outer_steps_follow_their_papers_rules(outer_class, in_step):
     ``g = anchor - mean(copies)``."""
     from returnn_tpu.options import DistributeOptions
     from returnn_tpu.strategies import make_strategy
-    from returnn_tpu.sync import DiLoCoAveraging, SlowMoAveraging, mean_over_all_replicas
+    from returnn_tpu.strategies.sync import DiLoCoAveraging, SlowMoAveraging, mean_over_all_replicas
 
     strategy = make_strategy(DistributeOptions(strategy="local_sgd_tpu", cluster_resolver="local", num_replicas=2)
                              if in_step else DistributeOptions(strategy="local_sgd", num_replicas=2))
@@ -184,7 +184,7 @@ def test_outer_steps_follow_their_papers_rules(outer_class, in_step):
 
 
 def test_schedule_of_hierarchy_and_fragments():
-    from returnn_tpu.sync import SyncDue, SyncSchedule
+    from returnn_tpu.strategies.sync import SyncDue, SyncSchedule
 
     hierarchy = SyncSchedule(6, local_step=2)
     assert [hierarchy.step() for _ in range(6)] == [None, SyncDue(local=True), None, SyncDue(local=True), None,
@@ -217,7 +217,7 @@ def test_each_fragment_is_synced_once_per_cycle_and_alone(tmp_path, strategy):
     for step in range(1, 17):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
         if step == 1:
-            fragments = trainer.steps.fragments
+            fragments = trainer.syncs.fragments
             assert sorted(len(f) for f in fragments) == [1, 1, 1, 1]
         values = params(trainer)
         synced = [i for i, names in enumerate(fragments) if all(replicas_equal(values[n]) for n in names)]
@@ -359,7 +359,7 @@ def test_dynamic_learning_rate_sees_returnns_global_train_step():
 ])
 def test_outer_settings_known_to_overshoot_are_warned_about_at_start(outer, sync_step, warns):
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.sync import make_averaging
+    from returnn_tpu.strategies.sync import make_averaging
 
     averaging = make_averaging(DistributeOptions.from_config_values("local_sgd", {"outer_optimizer": outer}))
     warning = averaging.start_warning(sync_step)

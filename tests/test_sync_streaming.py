@@ -29,7 +29,7 @@ def _set_copies(strategy, var, copies):
 def _three_syncs_digest(in_step, **options):
     """The bits of both copies after each of three immediate syncs of random copies."""
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.sync import make_averaging, mean_over_all_replicas
+    from returnn_tpu.strategies.sync import make_averaging, mean_over_all_replicas
 
     strategy = _strategy(in_step)
     averaging = make_averaging(DistributeOptions(strategy="local_sgd", **options), keep_synced_model=True)
@@ -101,7 +101,7 @@ def test_each_fragment_reaches_every_replica_tau_updates_after_its_sync_starts(t
     for update in range(1, 17):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
         values = params(trainer)
-        equal = [i for i, names in enumerate(trainer.steps.fragments)
+        equal = [i for i, names in enumerate(trainer.syncs.fragments)
                  if all(numpy.array_equal(*values[name]) for name in names)]
         assert equal == ([((update - 1) // 2 - 1) % 4] if update % 2 == 1 and update > 1 else []), (update, equal)
 
@@ -109,7 +109,7 @@ def test_each_fragment_reaches_every_replica_tau_updates_after_its_sync_starts(t
 def _quantized_means(dtype, copies, rounds=1, error_feedback=True, in_step=False):
     """``rounds`` syncs of plain averaging in ``dtype`` where each replica's copy is the anchor
     plus its change in ``copies``; the anchor after each (the sum of what was applied)."""
-    from returnn_tpu.sync import ParameterAveraging, mean_over_all_replicas
+    from returnn_tpu.strategies.sync import ParameterAveraging, mean_over_all_replicas
 
     strategy = _strategy(in_step)
     averaging = ParameterAveraging(sync_dtype=dtype, error_feedback=error_feedback)
@@ -129,7 +129,7 @@ def _quantized_means(dtype, copies, rounds=1, error_feedback=True, in_step=False
 
 def _step(dtype, values):
     """The quantization step (the block's scale) of each of ``values``' blocks of 64, per value."""
-    from returnn_tpu.sync.quantized import BLOCK, QuantizedWire
+    from returnn_tpu.strategies.sync.quantized import BLOCK, QuantizedWire
 
     qmax = QuantizedWire(dtype).qmax
     padded = numpy.pad(values, (0, -len(values) % BLOCK)).reshape(-1, BLOCK)
@@ -189,7 +189,7 @@ def test_in_step_overlapped_quantized_syncs_equal_the_host_path(tmp_path, option
     options = dict(options, param_sync_step=5)
     host = _epochs(tmp_path / "host", 2, **options)
     in_step = _epochs(tmp_path / "in_step", 2, strategy="local_sgd_tpu", **IN_STEP, **options)
-    assert in_step.steps.in_step and not host.steps.in_step
+    assert in_step.syncs.updates_in_replica and not host.syncs.updates_in_replica
     assert_params_close(params(in_step), params(host), atol=1e-5)
     assert [m["syncs"] for m in _metrics(tmp_path / "in_step")] == [m["syncs"] for m in _metrics(tmp_path / "host")]
     assert [m["sync_bytes"] for m in _metrics(tmp_path / "in_step")] == [m["sync_bytes"] for m in _metrics(tmp_path / "host")]
@@ -197,7 +197,7 @@ def test_in_step_overlapped_quantized_syncs_equal_the_host_path(tmp_path, option
 
 def test_the_schedule_applies_an_overlapped_sync_tau_updates_after_it_starts():
     """And one sync is in flight at a time: a sync due earlier (by time) applies it first."""
-    from returnn_tpu.sync import SyncDue, SyncSchedule
+    from returnn_tpu.strategies.sync import SyncDue, SyncSchedule
 
     by_steps = SyncSchedule(8, fragments=2, delay=3)
     due = [by_steps.step() for _ in range(10)]

@@ -111,7 +111,7 @@ def test_local_sgd_tpu_step_logic_equals_local_sgd(tmp_path):
     in_step = make_trainer(tmp_path / "in_step", network, strategy="local_sgd_tpu", optimizer={"class": "adam"},
                            learning_rate=0.01, distribute_options=dict(options, cluster_resolver="local",
                                                                        jit_compile=False))
-    assert in_step.steps.in_step and not host.steps.in_step
+    assert in_step.syncs.updates_in_replica and not host.syncs.updates_in_replica
     _same_start(host, in_step, numpy.random.RandomState(1))
     rng_a, rng_b = numpy.random.RandomState(7), numpy.random.RandomState(7)
     for step in range(1, 8):

@@ -12,14 +12,17 @@ import tensorflow as tf
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices, own_collective_key_base
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
+from returnn_tpu.strategies.local_sgd import LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
                                                  TrainerMultiWorkerLocalSGDStrategy)
+from returnn_tpu.strategies.sync import CopiesAlwaysEqual, SyncDue, make_syncs
 from returnn_tpu.strategies.tpu import TrainerLocalSGDTPUStrategy, make_tpu_strategy
 
 __all__ = [
     "make_strategy",
-    "is_local_sgd",
+    "make_syncs",
+    "CopiesAlwaysEqual",
+    "SyncDue",
     "LocalSGDStrategy",
     "TrainerLocalSGDStrategy",
     "SyncCallback",
@@ -27,7 +30,6 @@ __all__ = [
     "TrainerMultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",
     "TrainerLocalSGDTPUStrategy",
-    "syncs_in_step",
     "local_replica_devices",
     "distribute_local_values",
     "with_own_collective_keys",
@@ -78,17 +80,6 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     raise AssertionError(f"unhandled distribute_strategy {options.strategy!r}")  # options.py validated it
 
 
-def is_local_sgd(strategy: tf.distribute.Strategy) -> bool:
-    """Whether the replicas of ``strategy`` keep their own parameters until a sync."""
-    return isinstance(strategy.extended, LocalSGDExtendedMixin)
-
-
-def syncs_in_step(strategy: tf.distribute.Strategy) -> bool:
-    """Whether the whole step, updates and local-SGD sync included, runs in replica context
-    (TPU strategies, and ``local_sgd_tpu`` on local devices)."""
-    return isinstance(strategy, tf.distribute.TPUStrategy) or getattr(strategy.extended, "in_step_sync", False)
-
-
 def varying_shapes_spec(batches):
     """The trace signature of per-replica batches (as :func:`distribute_local_values` makes them)
     with the first two dimensions of every array (batch and time, which RETURNN's batches vary)
@@ -103,14 +94,6 @@ def varying_shapes_spec(batches):
         return tf.TensorSpec([None] * min(2, shape.rank) + shape.as_list()[2:], tf.as_dtype(value.dtype))
 
     return tf.nest.map_structure(spec, batches)
-
-
-def per_replica(values: list):
-    """In cross-replica context (a ``merge_call``): the per-replica value whose component on each
-    local replica is the tensor of ``values`` at its index (already on that replica's device)."""
-    from tensorflow.python.distribute import values as values_lib
-
-    return values_lib.PerReplica(tuple(values))
 
 
 def distribute_local_values(strategy: tf.distribute.Strategy, values: list, first_replica: int = 0):

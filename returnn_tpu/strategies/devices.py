@@ -1,4 +1,5 @@
-"""Which local devices the replicas run on, and how their collectives are numbered."""
+"""Which local devices the replicas run on, how their collectives are numbered, and per-replica
+values made of one tensor per local replica."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import itertools
 from typing import List, Optional
 
 import tensorflow as tf
+from tensorflow.python.distribute import values as values_lib
 
 from returnn_tpu.errors import ConfigError
 
@@ -54,3 +56,9 @@ def own_collective_key_base() -> int:
     and TensorFlow, which keeps each collective instance's shape for the process's life, would
     match up unrelated all-reduces (FACTS.md, "Collective keys")."""
     return next(_STRATEGIES_MADE) * KEYS_PER_STRATEGY
+
+
+def per_replica(values: list):
+    """In cross-replica context (a ``merge_call``): the per-replica value whose component on each
+    local replica is the tensor of ``values`` at its index (already on that replica's device)."""
+    return values_lib.PerReplica(tuple(values))

@@ -5,7 +5,7 @@ happens in a training step. The variables are ordinary ``MirroredVariable`` obje
 
 * :class:`TrainerLocalSGDStrategy` (the RETURNN trainer's): every reduction reduces as TensorFlow
   defines it; the package's optimizers apply each replica's gradient to its own copy
-  (:func:`returnn_tpu.strategies.is_local_sgd`), and :mod:`returnn_tpu.sync` combines the copies.
+  (:func:`returnn_tpu.strategies.is_local_sgd`), and :mod:`returnn_tpu.strategies.sync` combines the copies.
 * :class:`LocalSGDStrategy` (a TF2 or Keras program's): its extended
   (:class:`ScheduledLocalSGDMixin`) gives TensorFlow's and Keras' own update path local-SGD
   semantics, decides when to sync and combines the copies; :class:`SyncCallback` combines them
@@ -50,6 +50,17 @@ class LocalSGDExtendedMixin:
         return launchers._launchers[context._replica_id].all_gather(value, axis=0)
 
 
+def is_local_sgd(strategy: tf.distribute.Strategy) -> bool:
+    """Whether the replicas of ``strategy`` keep their own parameters until a sync."""
+    return isinstance(strategy.extended, LocalSGDExtendedMixin)
+
+
+def updates_in_replica(strategy: tf.distribute.Strategy) -> bool:
+    """Whether the whole step, update and local-SGD sync included, runs in replica context (TPU
+    strategies, and ``local_sgd_tpu`` on local devices)."""
+    return isinstance(strategy, tf.distribute.TPUStrategy) or getattr(strategy.extended, "in_step_sync", False)
+
+
 class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended):
     """Local SGD over the devices of one machine."""
 
@@ -57,7 +68,7 @@ class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended
 class ScheduledLocalSGDMixin:
     """What makes an extended that a TF2 or Keras program trains with local SGD: it gives
     TensorFlow's and Keras' own update path local-SGD semantics, owns the schedule and combines
-    the copies with :mod:`returnn_tpu.sync`'s rules, those of the RETURNN trainer (docs/FACTS.md,
+    the copies with :mod:`returnn_tpu.strategies.sync`'s rules, those of the RETURNN trainer (docs/FACTS.md,
     "Local SGD for TF2 programs").
 
     * A replica-context all-reduce of gradients (Keras' optimizers sum the replicas' gradients
@@ -71,9 +82,9 @@ class ScheduledLocalSGDMixin:
       schedule counts it, and the fragments due are synced by a second ``strategy.run`` in the
       same program, under ``tf.cond``: ``sync_fragments`` F splits the trainable variables into F
       fragments, fragment i synced after update ``(i + 1) * N / F`` of each cycle of
-      ``param_sync_step`` N updates (:class:`returnn_tpu.sync.SyncSchedule`'s rule); with
+      ``param_sync_step`` N updates (:class:`returnn_tpu.strategies.sync.SyncSchedule`'s rule); with
       ``sync_delay`` d, a sync's mean is taken after its update and applied d updates later.
-    * How copies combine is :func:`returnn_tpu.sync.make_averaging`'s object for the options:
+    * How copies combine is :func:`returnn_tpu.strategies.sync.make_averaging`'s object for the options:
       plain averaging, DiLoCo's Nesterov outer step, ``sync_dtype`` (int8/int4 with error
       feedback), ``sync_mix``. Its state (anchors, outer momenta, residuals) is made beside each
       trainable variable as the variable is made in the scope.
@@ -86,7 +97,7 @@ class ScheduledLocalSGDMixin:
 
     def _start_schedule(self, options):
         """``options``: the checked :class:`returnn_tpu.options.DistributeOptions`."""
-        from returnn_tpu.sync import SyncSchedule, make_averaging
+        from returnn_tpu.strategies.sync import SyncSchedule, make_averaging
 
         self.param_sync_step = options.param_sync_step
         self.sync_delay = options.sync_delay
@@ -177,7 +188,7 @@ class ScheduledLocalSGDMixin:
     def _fragments(self):
         """``(index, its trainable variables: key -> variable)`` of each fragment that has any,
         split as the trainer splits (a model of fewer variables than fragments leaves some empty)."""
-        from returnn_tpu.sync import split_into_fragments
+        from returnn_tpu.strategies.sync import split_into_fragments
 
         sizes = {key: var.shape.num_elements() * var.dtype.size for key, var in self._synced_variables.items()}
         return [(index, {key: self._synced_variables[key] for key in keys})
@@ -194,7 +205,7 @@ class ScheduledLocalSGDMixin:
             self._syncing = False
 
     def _sync_fragment(self, variables: dict):
-        from returnn_tpu.sync import mean_over_all_replicas
+        from returnn_tpu.strategies.sync import mean_over_all_replicas
 
         self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
             strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))
@@ -299,7 +310,7 @@ class ScheduledLocalSGDExtended(ScheduledLocalSGDMixin, LocalSGDExtended):
 class TrainerLocalSGDStrategy(tf.distribute.Strategy):
     """Local SGD over the devices of one machine for the RETURNN trainer (a ``MirroredStrategy``
     in all but the name): the package's optimizers apply each replica's gradient to its own copy
-    and :mod:`returnn_tpu.sync` combines the copies.
+    and :mod:`returnn_tpu.strategies.sync` combines the copies.
 
     >>> strategy = TrainerLocalSGDStrategy(["/cpu:0", "/cpu:1"])
     >>> with strategy.scope():

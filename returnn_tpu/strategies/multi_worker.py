@@ -2,7 +2,7 @@
 
 * :class:`TrainerMultiWorkerLocalSGDStrategy`: the RETURNN trainer's local SGD; steps need no
   communication, a sync is one bucketed collective all-reduce over all replicas of all workers
-  (see :mod:`returnn_tpu.sync`).
+  (see :mod:`returnn_tpu.strategies.sync`).
 * :class:`MultiWorkerLocalSGDStrategy`: local SGD for a TF2 or Keras program.
 * :class:`MultiWorkerMirroredStrategy`: TensorFlow's synchronous multi-worker strategy.
 

@@ -2,7 +2,7 @@
 
 TPUs run one XLA program per step and replicate only through ``strategy.run`` with the inputs
 as arguments, so ``local_sgd_tpu`` runs the whole local-SGD step inside that program: each core
-applies its own gradients to its own copy, and the sync (:mod:`returnn_tpu.sync`, the same code
+applies its own gradients to its own copy, and the sync (:mod:`returnn_tpu.strategies.sync`, the same code
 as for ``local_sgd``) runs under ``tf.cond`` on the fragments the host says are due.
 
 Not run on a real TPU yet (none was available): what a CPU can show is tested (the error when
@@ -69,7 +69,7 @@ def _tpu_strategies_make(extended_class):
 
 class TrainerLocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
     """Local SGD on the cores of a TPU for the RETURNN trainer (``local_sgd_tpu``): each core
-    trains its own copy with the package's optimizers, and :mod:`returnn_tpu.sync` combines the
+    trains its own copy with the package's optimizers, and :mod:`returnn_tpu.strategies.sync` combines the
     copies inside the compiled step. Not for TF2 programs: there, Keras' gradient all-reduce would
     make it synchronous SGD (docs/strategies.md).
 

@@ -31,8 +31,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from returnn_tpu.options import QUANTIZED_SYNC_DTYPES
-from returnn_tpu.strategies import per_replica
-from returnn_tpu.sync.quantized import QuantizedWire
+from returnn_tpu.strategies.devices import per_replica
+from returnn_tpu.strategies.sync.quantized import QuantizedWire
 
 Collective = Callable[[List[tf.Tensor]], List[tf.Tensor]]
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")

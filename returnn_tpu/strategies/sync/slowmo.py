@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from returnn_tpu.sync.diloco import DiLoCoAveraging
+from returnn_tpu.strategies.sync.diloco import DiLoCoAveraging
 
 
 class SlowMoAveraging(DiLoCoAveraging):

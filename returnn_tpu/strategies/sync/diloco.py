@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 
 from returnn_tpu.optimizers import MomentumOptimizer
-from returnn_tpu.sync.averaging import ParameterAveraging
+from returnn_tpu.strategies.sync.averaging import ParameterAveraging
 
 
 class DiLoCoAveraging(ParameterAveraging):
