@@ -109,7 +109,7 @@ def worker_main(args):
 def measure_sync(trainer, tf):
     """Median seconds of one bucketed parameter sync and of one raw all-reduce of as many bytes."""
     strategy = trainer.strategy
-    variables = list(trainer.steps.trainable().values())
+    variables = list(trainer.steps.replica.trainable().values())
     num_floats = sum(int(v.shape.num_elements()) for v in variables)
     with strategy.scope():
         flat = tf.Variable(tf.zeros([num_floats]))

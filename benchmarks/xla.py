@@ -128,7 +128,7 @@ def step_times(network: dict, rounds: int, steps: int, model_dir: str, shapes):
                                            for round_ in range(rounds) for step in range(steps))
                          for jit in (False, True))
         rows.append((plain, jitted, first[True][i] - jitted))
-    return rows, len(trainers[True].steps.compiled_shapes) / len(shapes)
+    return rows, len(trainers[True].steps.replica.compiled_shapes) / len(shapes)
 
 
 CLI_CONFIG = """#!returnn-tpu

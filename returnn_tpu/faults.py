@@ -93,7 +93,7 @@ class NonFiniteMonitor:
 
     def check(self, steps, epoch_name: str) -> int:
         """The skipped updates since the last check (0 if none), or :class:`NonFiniteUpdate`."""
-        local = steps.take_nonfinite()
+        local = steps.replica.take_nonfinite()
         rows = self.workers.rows([value for replica in local for value in replica])
         found = []  # (step, replica, loss, count)
         for worker, row in enumerate(rows):

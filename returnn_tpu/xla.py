@@ -31,7 +31,7 @@ def epoch_figures(data, steps) -> Optional[dict]:
         return None
     compilations, seconds = steps.take_compilations()
     return {
-        "xla_compiled_shapes": len(steps.compiled_shapes),
+        "xla_compiled_shapes": len(steps.replica.compiled_shapes),
         "xla_compilations": compilations,
         "xla_compile_seconds": round(seconds, 3),
         "padding_fraction": round(counted["padded_frames"] / max(counted["total_frames"], 1), 4),

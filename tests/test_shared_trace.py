@@ -43,7 +43,7 @@ def test_one_trace_for_four_replicas_trains_as_one_trace_per_replica(tmp_path, s
     shared = make_trainer(tmp_path / "shared", LSTM, strategy=strategy, num_replicas=4, distribute_options=options)
     shared_builds = count_builds(shared)
     own = make_trainer(tmp_path / "own", LSTM, strategy=strategy, num_replicas=4, distribute_options=options)
-    own.steps.shared_trace = False
+    own.steps.replica.shared_trace = False
     own_builds = count_builds(own)
     ours, theirs = train_and_read(shared), train_and_read(own)
     assert len(shared_builds) == 2 and len(own_builds) == 1 + 4

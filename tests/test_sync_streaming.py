@@ -173,7 +173,7 @@ def test_sync_bytes_count_what_a_quantized_sync_sends(tmp_path):
     trainer = make_trainer(tmp_path, FEED_FORWARD, num_epochs=1, train={"class": "Task12AXDataset", "num_seqs": 22},
                            batch_size=150, max_seqs=3, distribute_options={"param_sync_step": 3, "sync_dtype": "int4"})
     trainer.train()
-    values = sum(var.shape.num_elements() for var in trainer.steps.trainable().values())
+    values = sum(var.shape.num_elements() for var in trainer.steps.replica.trainable().values())
     blocks = -(-values // 64)
     metrics = _metrics(tmp_path)[0]
     assert metrics["sync_bytes"] == metrics["syncs"] * 2 * blocks * (32 + 4)  # 2 replicas, 32 bytes of values

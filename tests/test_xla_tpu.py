@@ -40,7 +40,7 @@ def test_compiled_step_trains_like_the_plain_step(tmp_path, layer):
                        distribute_options={"jit_compile": True, "bucket_boundaries": [16]})
     _same_start(plain, jit, numpy.random.RandomState(0))
     expected, got = _losses(plain, 6, seed=5), _losses(jit, 6, seed=5)
-    assert len(jit.steps.compiled_shapes) == 1  # one shape, compiled once
+    assert len(jit.steps.replica.compiled_shapes) == 1  # one shape, compiled once
     assert got[-1] < got[0]
     if layer == "dropout":  # XLA draws other random numbers: same start, same trend, not the same masks
         assert got[0] == pytest.approx(expected[0], rel=0.2)
@@ -60,7 +60,7 @@ def test_one_compilation_per_bucket(tmp_path):
         shapes.add(step_batches[0]["data"].shape)
         steps += 1
     assert {shape[1] for shape in shapes} <= {20, 40, 80, 120}
-    assert len(trainer.steps.compiled_shapes) == len(shapes) and steps > 2 * len(shapes)
+    assert len(trainer.steps.replica.compiled_shapes) == len(shapes) and steps > 2 * len(shapes)
 
 
 def test_padding_is_masked(tmp_path, rng):
@@ -198,7 +198,7 @@ def test_evaluation_with_xla_on_buckets_equals_plain_evaluation(tmp_path, rng):
     shapes = {b[0]["data"].shape for b, _ in trainer.data.eval_batches(trainer.data.dev_datasets[0], 1)}
     assert {length for _, length, _ in shapes} <= {16, 32, 64, 96, 128, 160}  # the buckets, and multiples of 32
     assert any(length > 32 for _, length, _ in shapes)  # the longer sequences were evaluated
-    trainer.steps._jit_evaluate, trainer.data.eval_batching = None, BatchingOptions(trainer.config)
+    trainer.steps.replica._jit_evaluate, trainer.data.eval_batching = None, BatchingOptions(trainer.config)
     plain = trainer.evaluate(1)["dev"]
     for kind in ("score", "error"):
         for key, value in plain[kind].items():
