@@ -6,8 +6,14 @@ import pytest
 import tensorflow as tf
 
 import keras
+from tensorflow.python.distribute import mirrored_strategy
+
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.strategies import LocalSGDStrategy, SyncCallback, with_own_collective_keys
+from returnn_tpu.options import check_tf2_local_sgd_options
+from returnn_tpu.strategies import LocalSGDStrategy, LocalSGDTPUStrategy, SyncCallback, with_own_collective_keys
+from returnn_tpu.strategies.devices import KEYS_PER_STRATEGY, own_collective_key_base
+from returnn_tpu.strategies.local_sgd import LocalSGDExtended
+from returnn_tpu.strategies.tpu import ScheduledLocalSGDTPUMixin
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]  # the logical CPU devices of conftest.py
 REPLICAS = len(DEVICES)
@@ -316,6 +322,73 @@ def test_the_custom_loop_syncs_by_the_rules_in_numpy(options, rules):
             for replica in range(REPLICAS):
                 numpy.testing.assert_allclose(our_step[name][replica], their_step[name][replica], rtol=1e-5, atol=1e-5,
                                               err_msg=f"{name}, replica {replica}, after update {step}")
+
+
+class _TPURunOnLocalDevices(LocalSGDExtended):
+    """What a TPU extended's ``tpu_run`` does, stood in for by a mirrored run on the local CPU
+    devices (no TPU here): ``fn`` in replica context on every replica, per-replica results."""
+
+    def tpu_run(self, fn, args, kwargs, options=None):
+        return mirrored_strategy.MirroredExtended._call_for_each_replica(self, fn, args, kwargs or {})
+
+
+class _LocalTPUStandInExtended(ScheduledLocalSGDTPUMixin, _TPURunOnLocalDevices):
+    def __init__(self, container_strategy, options):
+        super().__init__(container_strategy, devices=DEVICES)
+        self._start_schedule(options)
+
+
+class _LocalSGDTPUStandIn(tf.distribute.Strategy):
+    """``LocalSGDTPUStrategy``'s extended (its mixin) over the local CPU devices; ``run`` goes
+    through ``tpu_run``, as ``TPUStrategy.run`` does."""
+
+    def __init__(self, **options):
+        self._collective_key_base = own_collective_key_base() + KEYS_PER_STRATEGY // 2
+        super().__init__(_LocalTPUStandInExtended(self, check_tf2_local_sgd_options(options, "LocalSGDTPUStrategy")))
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        with self.scope():
+            return self.extended.tpu_run(fn, args, kwargs, options)
+
+
+@pytest.mark.parametrize("options", [
+    {"param_sync_step": 3},
+    {"param_sync_step": 4, "outer_optimizer": DILOCO, "sync_fragments": 2, "sync_delay": 1},
+    {"param_sync_step": 4, "sync_dtype": "int4"},
+], ids=["average", "diloco_fragments_delay", "int4"])
+def test_the_tpu_strategys_syncs_around_its_runs_train_as_the_local_strategy(options):
+    """``LocalSGDTPUStrategy``'s schedule (a run's program reports its update; the syncs due run
+    after it as programs of their own), as far as local CPU devices show it: TensorFlow's custom
+    loop gives every copy of ``LocalSGDStrategy`` after every update, and the same counts."""
+    stand_in = _LocalSGDTPUStandIn(**options)
+    ours = _custom_loop(stand_in, 12)
+    local = LocalSGDStrategy(DEVICES, **options)
+    theirs = _custom_loop(local, 12)
+    for step, (our_step, their_step) in enumerate(zip(ours, theirs), start=1):
+        for name in ("kernel", "bias"):
+            numpy.testing.assert_allclose(our_step[name], their_step[name], rtol=0, atol=1e-6, err_msg=f"update {step}")
+    assert stand_in.extended.sync_stats == local.extended.sync_stats and local.extended.sync_stats["syncs"] > 0
+
+
+def test_the_tpu_strategy_under_keras_fit_and_an_eager_run():
+    """Keras ``fit`` through ``tpu_run`` counts every update and syncs on the schedule; a run
+    without an update (an eager ``strategy.run`` of a metric) counts none."""
+    strategy = _LocalSGDTPUStandIn(param_sync_step=4)
+    x, y = _data(1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, callbacks=[SyncCallback(strategy)])
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert strategy.extended.sync_stats["updates"] == 2 * 64 // GLOBAL_BATCH
+    assert strategy.extended.sync_stats["syncs"] == 4 + 3  # scheduled, and the callback's (2 epoch ends, the end)
+    strategy.run(lambda: tf.constant(1.0))
+    assert strategy.extended.sync_stats["updates"] == 2 * 64 // GLOBAL_BATCH
+
+
+def test_the_tpu_strategy_checks_its_options_before_it_looks_for_a_tpu():
+    with pytest.raises(ConfigError, match="LocalSGDTPUStrategy has no option 'param_sync_stepp'"):
+        LocalSGDTPUStrategy(param_sync_stepp=4)
 
 
 WORKER_PROGRAM = """

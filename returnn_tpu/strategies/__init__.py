@@ -16,7 +16,7 @@ from returnn_tpu.strategies.local_sgd import LocalSGDStrategy, SyncCallback, Tra
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
                                                  TrainerMultiWorkerLocalSGDStrategy)
 from returnn_tpu.strategies.sync import CopiesAlwaysEqual, SyncDue, make_syncs
-from returnn_tpu.strategies.tpu import TrainerLocalSGDTPUStrategy, make_tpu_strategy
+from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, TrainerLocalSGDTPUStrategy, make_tpu_strategy
 
 __all__ = [
     "make_strategy",
@@ -29,6 +29,7 @@ __all__ = [
     "MultiWorkerLocalSGDStrategy",
     "TrainerMultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",
+    "LocalSGDTPUStrategy",
     "TrainerLocalSGDTPUStrategy",
     "local_replica_devices",
     "distribute_local_values",

@@ -129,13 +129,19 @@ class ScheduledLocalSGDMixin:
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         if self._syncing or not self._are_gradients([value for value, _ in value_destination_pairs]):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-        self._updates.assign_add(1)
+        self._mark_update()
         scale = self._num_replicas_in_sync if reduce_op == tf.distribute.ReduceOp.SUM else 1
-        own = []
-        for value, _ in value_destination_pairs:
-            copies = value.values if isinstance(value, values_lib.PerReplica) else (value,) * len(self.worker_devices)
-            own.append(values_lib.PerReplica(tuple(copy * scale for copy in copies)))
-        return own
+        return [self._own_gradient(value, scale) for value, _ in value_destination_pairs]
+
+    def _mark_update(self):
+        """The ``strategy.run`` being traced makes an update (counted in the program)."""
+        self._updates.assign_add(1)
+
+    def _own_gradient(self, value, scale):
+        """Each replica's own gradient, where a reduction would give their sum (``scale``: the
+        number of replicas) or mean (1)."""
+        copies = value.values if isinstance(value, values_lib.PerReplica) else (value,) * len(self.worker_devices)
+        return values_lib.PerReplica(tuple(copy * scale for copy in copies))
 
     def _are_gradients(self, values) -> bool:
         """Whether an all-reduce of ``values`` is one of gradients: floats whose shapes are those of
@@ -154,7 +160,7 @@ class ScheduledLocalSGDMixin:
     def _call_for_each_replica(self, fn, args, kwargs):
         result = super()._call_for_each_replica(fn, args, kwargs)
         if not self._syncing:
-            _when(self._updates > self._updates_scheduled, self._count_update)
+            when(self._updates > self._updates_scheduled, self._count_update)
         return result
 
     # ---- the schedule (cross-replica context; the same decisions on every worker) -------------
@@ -170,10 +176,10 @@ class ScheduledLocalSGDMixin:
             self._apply_in_flight(flush=tf.reduce_any(due))
         for fragment, variables in self._fragments():
             if self.sync_delay:
-                _when(due[fragment],
+                when(due[fragment],
                       lambda fragment=fragment, variables=variables: self._start_overlapped(fragment, variables))
             else:
-                _when(due[fragment], lambda variables=variables: self._sync_fragment(variables))
+                when(due[fragment], lambda variables=variables: self._sync_fragment(variables))
 
     def _apply_in_flight(self, flush):
         """Overlapped syncs: applies the sync in flight once it has been in flight ``sync_delay``
@@ -182,7 +188,7 @@ class ScheduledLocalSGDMixin:
         waited = tf.where(in_flight >= 0, self._updates_in_flight.assign_add(1), tf.constant(0, tf.int64))
         ready = tf.logical_and(in_flight >= 0, tf.logical_or(waited >= self.sync_delay, flush))
         for fragment, variables in self._fragments():
-            _when(tf.logical_and(ready, tf.equal(in_flight, fragment)),
+            when(tf.logical_and(ready, tf.equal(in_flight, fragment)),
                   lambda variables=variables: self._finish_overlapped(variables))
 
     def _fragments(self):
@@ -200,9 +206,13 @@ class ScheduledLocalSGDMixin:
         strategy = self._container_strategy()
         self._syncing = True
         try:
-            super()._call_for_each_replica(lambda: sync_in_replica(strategy), (), {})
+            self._run_in_replicas(lambda: sync_in_replica(strategy))
         finally:
             self._syncing = False
+
+    def _run_in_replicas(self, fn):
+        """``fn()`` in replica context on every replica, as the base strategy runs it."""
+        super()._call_for_each_replica(fn, (), {})
 
     def _sync_fragment(self, variables: dict):
         from returnn_tpu.strategies.sync import mean_over_all_replicas
@@ -277,7 +287,7 @@ class ScheduledLocalSGDMixin:
                 "bytes": int(self._bytes.numpy())}
 
 
-def _when(condition: tf.Tensor, action):
+def when(condition: tf.Tensor, action):
     """Runs ``action()`` (which returns nothing) where ``condition`` holds, in a traced program
     as a ``tf.cond``, eagerly as Python."""
     tf.cond(condition, lambda: action() and None, lambda: None)
