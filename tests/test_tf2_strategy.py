@@ -173,6 +173,18 @@ def test_a_checkpoint_after_sync_now_resumes_diloco_where_it_stopped(tmp_path):
         assert same == with_state
 
 
+def test_synced_model_is_the_model_of_the_last_sync():
+    """``synced_model()``: after 6 updates syncing every 4, the copies right after update 4 (what a
+    worker that lost a peer saves); None for plain averaging on one machine, which keeps no such model."""
+    loop = _TutorialLoop(LocalSGDStrategy(DEVICES, param_sync_step=4, outer_optimizer=DILOCO))
+    after_sync = loop.train(6)[3]
+    synced = [var.numpy() for var in loop.strategy.extended.synced_model()]
+    numpy.testing.assert_array_equal(synced[0], after_sync["kernel"][0])
+    numpy.testing.assert_array_equal(synced[1], after_sync["bias"][0])
+    assert not numpy.array_equal(synced[0], loop.copies()["kernel"][0])
+    assert LocalSGDStrategy(DEVICES, param_sync_step=4).extended.synced_model() is None
+
+
 def _example():
     """examples/keras_local_sgd.py, imported (it splits no devices on import)."""
     import importlib.util

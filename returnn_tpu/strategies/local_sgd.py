@@ -14,6 +14,7 @@ happens in a training step. The variables are ordinary ``MirroredVariable`` obje
 
 from __future__ import annotations
 
+from typing import List, Optional
 
 import keras
 import tensorflow as tf
@@ -95,13 +96,15 @@ class ScheduledLocalSGDMixin:
     multi-worker one must create no variable before it).
     """
 
-    def _start_schedule(self, options):
-        """``options``: the checked :class:`returnn_tpu.options.DistributeOptions`."""
+    def _start_schedule(self, options, keep_synced_model: bool = False):
+        """``options``: the checked :class:`returnn_tpu.options.DistributeOptions`;
+        ``keep_synced_model``: keep the model of the last sync where the syncs do not need it
+        (:meth:`synced_model`; several workers)."""
         from returnn_tpu.strategies.sync import SyncSchedule, make_averaging
 
         self.param_sync_step = options.param_sync_step
         self.sync_delay = options.sync_delay
-        self.averaging = make_averaging(options)
+        self.averaging = make_averaging(options, keep_synced_model=keep_synced_model)
         self._fragment_ends = SyncSchedule(options.param_sync_step, fragments=options.sync_fragments).fragment_ends
         self._syncing = False  # while a sync's own run is built: its all-reduces reduce
 
@@ -278,6 +281,17 @@ class ScheduledLocalSGDMixin:
                 if key in variables:
                     state[f"variable_{index}_{kind}"] = variables[key]
         return tf.train.Checkpoint(**state)
+
+    def synced_model(self) -> Optional[List[tf.Variable]]:
+        """The model of the last sync, which every worker holds: one float32 variable per trainable
+        variable, in the order they were made (a Keras model's ``trainable_variables``' order).
+        What a worker saves when a peer is lost between syncs (its collective fails), e.g.
+        ``for var, synced in zip(model.trainable_variables, strategy.extended.synced_model()):
+        var.assign(tf.cast(synced, var.dtype))`` before ``model.save``. None where it is not kept:
+        plain float32 averaging on one machine (its syncs do not need it)."""
+        if not self.averaging.keeps_anchor:
+            return None
+        return [self.averaging.anchors[key] for key in self._synced_variables]
 
     @property
     def sync_stats(self) -> dict:

@@ -138,7 +138,7 @@ class ScheduledMultiWorkerLocalSGDExtended(ScheduledLocalSGDMixin, MultiWorkerLo
 
     def __init__(self, container_strategy, cluster_resolver, communication, startup_timeout: float, local_sgd_options):
         super().__init__(container_strategy, cluster_resolver, communication, startup_timeout)
-        self._start_schedule(local_sgd_options)
+        self._start_schedule(local_sgd_options, keep_synced_model=True)  # a survivor of a lost peer saves it
 
 
 class MultiWorkerLocalSGDStrategy(car.CollectiveAllReduceStrategy):

@@ -101,7 +101,8 @@ class ScheduledLocalSGDTPUMixin(ScheduledLocalSGDMixin):
     which the cores' trace is one. So a run's program also returns whether it made an update
     (known when it is traced: an all-reduce of gradients in it); the host counts it and runs
     each sync due as a program of its own, under ``tf.cond``, after the run. In a core's program,
-    the all-reduce of a gradient gives that core's own (a tensor, not a per-replica value)."""
+    the all-reduce of a gradient gives that core's own (a tensor, not a per-replica value)
+    (FACTS.md, "Local SGD for TF2 programs")."""
 
     def _start_schedule(self, options):
         super()._start_schedule(options)
@@ -157,7 +158,8 @@ class LocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
     ``tf.distribute.TPUStrategy`` (``tpu_cluster_resolver`` as there), with the options of
     :class:`returnn_tpu.strategies.LocalSGDStrategy`. Each core applies its own gradient to its
     own copy; the syncs due run after a step as programs of their own
-    (:class:`ScheduledLocalSGDTPUMixin`). Not yet run on a TPU (README, "What was verified how")."""
+    (:class:`ScheduledLocalSGDTPUMixin`). Not yet run on a TPU (docs/strategies.md says what was
+    tested on CPU devices)."""
 
     def __init__(self, tpu_cluster_resolver=None, **local_sgd_options):
         from returnn_tpu.options import check_tf2_local_sgd_options
