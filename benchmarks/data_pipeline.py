@@ -145,8 +145,9 @@ def serving_rate(work: str, args):
 
     from returnn.config import Config
 
-    from returnn_tpu.data import BatchingOptions
-    from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
+    from returnn_tpu.batching import BatchingOptions
+    from returnn_tpu.producer import DataProducer, RemoteProducer
+    from returnn_tpu.producer_serving import ServeOptions
 
     features = os.path.join(work, "features.hdf")
     write_hdf(features, args.seqs, dim=40)

@@ -338,7 +338,7 @@ def _training_failure(exc: Exception, cluster) -> int:
     """One line and the exit status for the failures training reports so (see module doc);
     re-raises any other exception."""
     from returnn_tpu import checkpoints
-    from returnn_tpu.producer import ProducerError
+    from returnn_tpu.producer_protocol import ProducerError
     from returnn_tpu.reporting import RecordWriteError
     from returnn_tpu.errors import RESUMABLE_STATUS
     from returnn_tpu.faults import PEER_LOSS_ERRORS, NonFiniteScore, PeerLost, Stopped, reported_refusal

@@ -16,10 +16,12 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy
 
-from returnn_tpu.data import BatchingOptions, BucketBatching, EpochBatches, default_bucket_boundaries, init_datasets
-from returnn_tpu.data import ReadAhead, init_eval_datasets, init_seq_order, shards_files, size_key, template_shapes
+from returnn_tpu.batching import BatchingOptions, BucketBatching, default_bucket_boundaries, size_key, template_shapes
+from returnn_tpu.data import EpochBatches, ReadAhead
+from returnn_tpu.datasets import init_datasets, init_eval_datasets, init_seq_order, shards_files
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.producer import DataProducer, RemoteProducer, ServeOptions
+from returnn_tpu.producer import DataProducer, RemoteProducer
+from returnn_tpu.producer_serving import ServeOptions
 
 AHEAD_STEPS = 16  # with several workers: how many steps each makes ahead (what one agreement can cover)
 

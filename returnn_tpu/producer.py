@@ -28,9 +28,13 @@ A producer that raises ends training with its error (the last line of its traceb
 it finds, such as a dataset that refuses its options, is the one-line error of bad input); one
 that dies (killed, out of memory) is found within :data:`LIVENESS_SECONDS`, a remote one within
 :data:`REMOTE_SILENCE_SECONDS` (it sends a heartbeat while it has nothing else to send).
+
+This module is the trainer's side (:class:`DataProducer`, :class:`ProducedEpoch`,
+:class:`RemoteProducer`). The process itself is :mod:`returnn_tpu.producer_process`, worker 0's
+serving of the other workers :mod:`returnn_tpu.producer_serving`, the shared memory blocks
+:mod:`returnn_tpu.producer_blocks`, and the messages' checks :mod:`returnn_tpu.producer_protocol`.
 """
 
-from __future__ import annotations
 
 import atexit
 import glob
@@ -40,38 +44,18 @@ import os
 import queue
 import shutil
 import signal
-import socket
-import struct
 import sys
-import threading
-import time
-import traceback
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-import numpy
+from returnn_tpu.producer_blocks import BLOCK_PREFIX, free_block, remove_stale_blocks, take_block
+from returnn_tpu.producer_process import run_producer
+from returnn_tpu.producer_protocol import ProducerError, expect, raise_error
+from returnn_tpu.producer_serving import ServeOptions
 
-BLOCK_PREFIX = "returnn_tpu_"  # shared memory blocks are named returnn_tpu_<producer pid>_<n>
 LIVENESS_SECONDS = 1.0  # how often a waiting trainer checks that its producer still runs
 WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says so, and again each time
-HEARTBEAT_SECONDS = 2.0  # how often worker 0's producer tells the other workers that it still runs
 REMOTE_SILENCE_SECONDS = 30.0  # a worker that hears nothing of worker 0's producer this long stops
-CONNECT_SECONDS = 120.0  # how long worker 0's producer waits for the other workers to connect
-SHM_RESERVE_BYTES = 16 * 1024 * 1024  # room left in /dev/shm for others when a block is made
 STOPPED_SECONDS = 30.0  # a producer stopped by a signal this long while training waits is an error
-HANDSHAKE_SECONDS = 10.0  # how long a connecting client may take to prove the key and say hello
-
-
-class ProducerError(RuntimeError):
-    """The dataset producer failed or died."""
-
-
-def expect(message: tuple, kind: str, what: str) -> tuple:
-    """The fields of ``message`` (a ``(kind, *fields)`` tuple of the protocol), which must be of
-    ``kind``; else a :class:`ProducerError` naming what came instead of ``what``."""
-    if not message or message[0] != kind:
-        raise ProducerError(f"the data producer's protocol is out of step: {message[:1]!r} came where {kind!r} "
-                            f"({what}) was due")
-    return tuple(message[1:])
 
 
 def _is_stopped(pid: int) -> bool:
@@ -81,18 +65,6 @@ def _is_stopped(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "T"
     except (OSError, IndexError):
         return False
-
-
-def raise_error(message: tuple, producer: str):
-    """Raises the error of an ``("error", text, bad_input)`` message: bad input that the producer
-    found as the :class:`ConfigError` it was (one line, exit status 2), a failure as
-    :class:`ProducerError`."""
-    from returnn_tpu.errors import ConfigError
-
-    _, text, bad_input = message
-    if bad_input:
-        raise ConfigError(text)
-    raise ProducerError(f"{producer} failed: {text}")
 
 
 class DataProducer:
@@ -120,7 +92,7 @@ class DataProducer:
         # Not daemonic: a dataset may start processes of its own (DistributeFilesDataset's sub-epoch
         # workers), which a daemonic process may not. close() ends it, also at exit: registered
         # after multiprocessing's own exit handler, it runs before it (which would join the producer).
-        self._process = context.Process(target=_serve, args=(setup, commands_end, self._results),
+        self._process = context.Process(target=run_producer, args=(setup, commands_end, self._results),
                                         name="returnn_tpu data producer", daemon=False)
         self._process.start()
         self._names_dropped = False
@@ -139,7 +111,7 @@ class DataProducer:
               train: bool, slots: Optional[range], num_slots: Optional[int], pad_last: bool,
               while_waiting: Optional[Callable[[], None]] = None) -> "ProducedEpoch":
         """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`,
-        with ``templates`` from :func:`returnn_tpu.data.template_shapes` for its ``extern_data``);
+        with ``templates`` from :func:`returnn_tpu.batching.template_shapes` for its ``extern_data``);
         returns once the producer has started the epoch (``while_waiting`` is called about every
         second meanwhile, and may raise)."""
         self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), templates=templates,
@@ -161,12 +133,12 @@ class DataProducer:
     @staticmethod
     def unpack(message) -> List[dict]:
         """The batches of a ``step`` message (taken out of its shared memory block)."""
-        return _take_block(*message[1:3])
+        return take_block(*message[1:3])
 
     @staticmethod
     def discard(message):
         """Frees what a ``step`` message that training does not take holds."""
-        _free_block(message[1])
+        free_block(message[1])
 
     def receive(self, what: str = "a batch", while_waiting: Optional[Callable[[], None]] = None):
         """The next message from the producer; :class:`ProducerError` if it failed, died, or was
@@ -282,15 +254,6 @@ class ProducedEpoch:
                     pass  # gone meanwhile: what stopped the epoch is the error to report
 
 
-class ServeOptions(NamedTuple):
-    """Where worker 0's producer (``data_producer = "chief"``) serves the other workers."""
-
-    host: str  # worker 0's host in the cluster spec
-    authkey: bytes  # what each connection must prove (random, told to the workers by the collective)
-    num_workers: int
-    replicas_per_worker: int
-
-
 class RemoteProducer:
     """The producer of worker 0, as another worker sees it (``data_producer = "chief"``): the same
     interface as :class:`DataProducer`, over a TCP connection."""
@@ -355,294 +318,3 @@ class RemoteProducer:
 
     def close(self):
         self._connection.close()
-
-
-def _receive_timeout(sock: socket.socket, seconds: float):
-    """The kernel's bound on each blocking read of ``sock`` (0: none), which ``Connection`` reads obey."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
-
-
-class _Workers:
-    """Worker 0's producer's connections to the other workers, in worker order, and a heartbeat
-    thread that keeps them from taking silence for death."""
-
-    def __init__(self, listener: socket.socket, serve: ServeOptions):
-        connected = {}
-
-        def handshake(sock: socket.socket, address):
-            """One client's key check and hello, on a thread of its own: a client that connects
-            and then says nothing holds up only this thread, not the other workers' handshakes
-            (FACTS.md, "Serving other workers")."""
-            from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-
-            _receive_timeout(sock, HANDSHAKE_SECONDS)  # a silent client's reads end (the fd stays blocking)
-            connection = Connection(sock.detach())
-            try:
-                deliver_challenge(connection, serve.authkey)
-                answer_challenge(connection, serve.authkey)
-                kind, worker = connection.recv()
-                if kind != "hello" or worker not in range(1, serve.num_workers):
-                    raise ValueError(f"not a worker's hello: {kind!r} {worker!r}")
-            except (multiprocessing.AuthenticationError, OSError, EOFError, ValueError, TypeError) as exc:
-                print(f"returnn-tpu: data producer: refused a connection from {address}: {exc}", file=sys.stderr,
-                      flush=True)
-                connection.close()
-                return
-            with socket.socket(fileno=os.dup(connection.fileno())) as same:
-                _receive_timeout(same, 0)  # from here on, heartbeats and bounds of their own
-            connected[worker] = connection
-
-        def accept():
-            while len(connected) < serve.num_workers - 1:
-                try:
-                    sock, address = listener.accept()
-                except OSError:
-                    return  # closed
-                threading.Thread(target=handshake, args=(sock, address), name="returnn_tpu producer handshake",
-                                 daemon=True).start()
-
-        threading.Thread(target=accept, name="returnn_tpu producer accept", daemon=True).start()
-        deadline = time.monotonic() + CONNECT_SECONDS
-        while len(connected) < serve.num_workers - 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        missing = [f"worker {w}" for w in range(1, serve.num_workers) if w not in connected]
-        if missing:
-            raise ProducerError(f"{', '.join(missing)} did not connect to the data producer at "
-                                f"{serve.host}:{listener.getsockname()[1]} within {CONNECT_SECONDS:.0f} s")
-        self.connections = [connected[w] for w in range(1, serve.num_workers)]
-        self.replicas_per_worker = serve.replicas_per_worker
-        self._lock = threading.Lock()
-        threading.Thread(target=self._heartbeat, name="returnn_tpu producer heartbeat", daemon=True).start()
-
-    def _heartbeat(self):
-        while True:
-            time.sleep(HEARTBEAT_SECONDS)
-            try:
-                self.send_all(("alive",))
-            except ProducerError:
-                return  # a worker is gone: the next step's send reports it
-
-    def send(self, worker: int, message):
-        """Sends ``message`` to worker ``worker`` (>= 1); ProducerError naming it if it is gone."""
-        try:
-            with self._lock:
-                self.connections[worker - 1].send(message)
-        except OSError as exc:
-            raise ProducerError(f"worker {worker} closed its connection to the data producer: {exc}") from None
-
-    def send_all(self, message):
-        for worker in range(1, len(self.connections) + 1):
-            self.send(worker, message)
-
-    def receive(self, worker: int, expected: str):
-        """The payload of worker ``worker``'s next command, which must be ``expected``. A worker's
-        ``stop`` is passed over: workers stop at the same step, and worker 0's ends the epoch."""
-        connection, kind = self.connections[worker - 1], "stop"
-        while kind == "stop":
-            try:
-                if not connection.poll(CONNECT_SECONDS):
-                    raise ProducerError(f"worker {worker} sent the data producer no {expected!r} within "
-                                        f"{CONNECT_SECONDS:.0f} s")
-                kind, payload = connection.recv()
-            except (EOFError, OSError):
-                raise ProducerError(f"worker {worker} closed its connection to the data producer") from None
-        if kind != expected:
-            raise ProducerError(f"worker {worker} sent {kind!r} to the data producer, expected {expected!r}")
-        return payload
-
-    def own_part(self, step_batches: list, weights: list, worker: int) -> Tuple[list, list]:
-        """Worker ``worker``'s replicas' part of a step's batches of all replicas (0: this one's)."""
-        part = slice(worker * self.replicas_per_worker, (worker + 1) * self.replicas_per_worker)
-        return step_batches[part], weights[part]
-
-
-def _take_block(name: str, layout) -> List[dict]:
-    """The batches of one step, copied out of shared memory block ``name``, which is freed."""
-    from multiprocessing import shared_memory
-
-    block = shared_memory.SharedMemory(name=name)
-    try:
-        batches = []
-        for arrays in layout:
-            batch = {}
-            for key, (dtype, shape, offset, value) in arrays.items():
-                if value is not None:  # not an array: sent as is
-                    batch[key] = value
-                else:
-                    view = numpy.ndarray(shape, dtype=numpy.dtype(dtype), buffer=block.buf, offset=offset)
-                    batch[key] = view.copy()
-                    del view
-            batches.append(batch)
-        return batches
-    finally:
-        block.close()
-        block.unlink()
-
-
-def _free_block(name: str):
-    from multiprocessing import shared_memory
-
-    try:
-        block = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    block.close()
-    block.unlink()
-
-
-_blocks_made = itertools.count()
-
-
-def remove_stale_blocks(log_file=None):
-    """Removes the shared memory blocks of producers whose process is gone (a trainer killed by
-    SIGKILL or the OOM killer cannot free what its producer made ahead), as stale checkpoint
-    temporaries are removed. The line goes to ``log_file``, by default the ``sys.stderr`` of the
-    moment (not of import time: a test harness or a redirected log may have replaced it)."""
-    removed = 0
-    for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}*_*"):
-        pid = os.path.basename(path)[len(BLOCK_PREFIX):].split("_")[0]
-        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
-            continue
-        try:
-            os.remove(path)
-            removed += 1
-        except OSError:
-            pass  # another user's, or removed meanwhile
-    if removed:
-        print(f"returnn-tpu: removed {removed} shared memory blocks of data producers that are gone",
-              file=log_file or sys.stderr)
-
-
-def _put_block(batches: List[dict]):
-    """``(name, layout)`` of a new shared memory block holding the arrays of ``batches``."""
-    from multiprocessing import resource_tracker, shared_memory
-
-    layout, arrays, size = [], [], 0
-    for batch in batches:
-        entry = {}
-        for key, value in batch.items():
-            if isinstance(value, numpy.ndarray) and value.dtype != object:
-                value = numpy.ascontiguousarray(value)
-                entry[key] = (value.dtype.str, value.shape, size, None)
-                arrays.append((size, value))
-                size += -(-value.nbytes // 64) * 64  # aligned
-            else:
-                entry[key] = (None, None, None, value)
-        layout.append(entry)
-    # tmpfs gives a block its pages only when they are written, and a full one answers with SIGBUS:
-    # check the room first.
-    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
-    try:
-        if free is not None and free < size + SHM_RESERVE_BYTES:
-            raise OSError(28, "not enough room left")
-        block = shared_memory.SharedMemory(name=f"{BLOCK_PREFIX}{os.getpid()}_{next(_blocks_made)}", create=True,
-                                           size=max(size, 1))
-    except OSError as exc:
-        raise ProducerError(f"cannot make a shared memory block of {size / 1e6:.1f} MB for a step's batches in "
-                            f"/dev/shm ({(free or 0) / 1e6:.1f} MB free there): {exc.strerror or exc}; make /dev/shm "
-                            "larger (docker: --shm-size), or set distribute_options['data_producer'] = 'thread'") from None
-    # The trainer frees the block; this process's resource tracker must not free it again.
-    resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 (CPython's own name for it)
-    for offset, value in arrays:
-        numpy.ndarray(value.shape, dtype=value.dtype, buffer=block.buf, offset=offset)[...] = value
-    name = block.name
-    block.close()
-    return name, layout
-
-
-def _serve(setup: dict, commands, results):
-    """The producer process: answers the trainer's commands until ``exit`` (or its death)."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow looks: the producer computes nothing on a GPU
-    from returnn_tpu.launcher import STOP_SIGNALS, die_with_parent
-
-    die_with_parent()
-    for signum in STOP_SIGNALS:  # the trainer decides when to stop
-        signal.signal(signum, signal.SIG_IGN)
-    workers = None
-    try:
-        serve: Optional[ServeOptions] = setup["serve"]
-        if serve:
-            listener = socket.create_server((serve.host, 0))
-            results.put(("listening", listener.getsockname()[1]))
-        epochs = _EpochMaker(setup)
-        if serve:
-            workers = _Workers(listener, serve)
-        while True:
-            kind, payload = commands.recv()  # closed by the trainer: EOFError
-            if kind == "epoch":
-                _produce_epoch(epochs, payload, commands, results, workers)
-    except (EOFError, KeyboardInterrupt):
-        return  # the trainer is gone
-    except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
-        from returnn_tpu.errors import ConfigError
-
-        if isinstance(exc, ConfigError):  # bad input: the trainer reports it as its own
-            error = ("error", str(exc), True)
-        else:
-            lines = traceback.format_exception_only(type(exc), exc)
-            error = ("error", lines[-1].strip() if lines else type(exc).__name__, False)
-        results.put(error)
-        if workers:
-            try:
-                workers.send_all(error)
-            except ProducerError:
-                pass  # that worker is gone already
-
-
-class _EpochMaker:
-    """The producer's training datasets (one per replica it feeds with ``random_seed_offset``) and
-    their :class:`returnn_tpu.data.EpochBatches`.
-
-    No TensorFlow here (FACTS.md, "A producer without TensorFlow"): the trainer sends with each
-    request the shapes of the network's ``extern_data`` (:func:`returnn_tpu.data.template_shapes`).
-    """
-
-    def __init__(self, setup: dict):
-        from returnn_tpu.data import init_datasets
-        from returnn_tpu.startup import load_config
-
-        config = load_config(setup["config_filename"], setup["overrides"])
-        self.datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
-                                      setup["distribution"], all_replicas=setup["all_replicas"])
-
-    def start(self, request: dict):
-        """The EpochBatches of ``request`` (its epoch started: RETURNN's ``init_seq_order``)."""
-        from returnn_tpu.data import EpochBatches, templates_from_shapes
-
-        request = dict(request)
-        extern_data = templates_from_shapes(request.pop("templates"))
-        return EpochBatches(self.datasets, extern_data=extern_data, prefetch=1, **request)
-
-
-def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, workers: Optional[_Workers]):
-    """Epoch ``request["epoch"]``: started (and the other workers, which ask for the same epoch,
-    told), then, after the trainer's ``go``, each step's batches, until the data ends or the
-    trainer says ``stop``."""
-    others = range(1, len(workers.connections) + 1) if workers else range(0)
-    batches = epochs.start(request)
-    for worker in others:
-        asked = workers.receive(worker, "epoch")
-        if asked != request["epoch"]:
-            raise ProducerError(f"worker {worker} asked the data producer for epoch {asked}, worker 0 for "
-                                f"{request['epoch']}")
-    results.put(("started", batches.start_seconds))
-    for worker in others:
-        workers.send(worker, ("started", batches.start_seconds))
-    ((first_step, batch_offset),) = expect(commands.recv(), "go", "the step to begin at")
-    for worker in others:
-        if workers.receive(worker, "go") != (first_step, batch_offset):
-            raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
-    batches.start_at(first_step, batch_offset)
-    for step_batches, weights in batches:
-        if commands.poll() and commands.recv()[0] == "stop":
-            break
-        if workers:
-            own_batches, own_weights = workers.own_part(step_batches, weights, 0)
-            results.put(("step", *_put_block(own_batches), own_weights))
-            for worker in others:
-                workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
-        else:
-            results.put(("step", *_put_block(step_batches), weights))
-    results.put(("end", batches.batching.take_counters()))
-    for worker in others:
-        workers.send(worker, ("end", {}))

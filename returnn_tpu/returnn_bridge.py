@@ -6,10 +6,12 @@ construction run inside ``strategy.run(step_fn, ...)`` (see FACTS.md):
 * :func:`in_process_config` starts RETURNN for a config made in this process, as the command
   line starts it for a file (with :func:`returnn_tpu.patches.setup_returnn`, where every patch
   of TensorFlow and RETURNN is).
-* :class:`VariableCache` creates each ``tf.compat.v1.get_variable`` once (as a distributed
-  variable when a strategy scope is active) and hands the same object to every later trace.
-* :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data,
-  with a fresh variable store and fresh variable collections, and a per-replica random seed.
+* :class:`returnn_tpu.variable_cache.VariableCache` creates each ``tf.compat.v1.get_variable``
+  once (as a distributed variable when a strategy scope is active) and hands the same object to
+  every later trace; :func:`carry_over` fills re-created parameters after a network change.
+* :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data
+  (:mod:`returnn_tpu.network_inputs`), with a fresh variable store and fresh variable
+  collections, and a per-replica random seed.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
-from returnn_tpu.data import size_key
+from returnn_tpu.batching import size_key
 from returnn_tpu.errors import ConfigError, refused_by_returnn
-from returnn_tpu.patches import SharedBuildUnsupported, drawing_from, fresh_tf1_state, random_ops_keyed_by
-from returnn_tpu.patches import setup_returnn
+from returnn_tpu.network_inputs import extern_data_template, fresh_dims
+from returnn_tpu.patches import drawing_from, fresh_tf1_state, random_ops_keyed_by, setup_returnn
+from returnn_tpu.variable_cache import VariableCache
+
 
 class StepRandomSource:
     """What RETURNN's random generator gives its ``StatelessRandomSeed``, without a state variable.
@@ -80,115 +84,6 @@ def in_process_config(values: Mapping[str, Any]):
     select_backend(config)
     log.initialize(logs=[], verbosity=[0])
     return config
-
-
-class VariableCache(tf.Module):
-    """The network's variables by RETURNN name, created once and reused by every trace.
-
-    Used as a ``tf.variable_creator_scope`` creator. A variable that does not exist yet is
-    created under ``tf.init_scope()``, so it outlives the trace and, under ``strategy.scope()``,
-    becomes a distributed variable (FACTS.md, "Variables in a trace"). Every variable handed out
-    is also added to the trace's GLOBAL_VARIABLES (and TRAINABLE_VARIABLES) collection, because
-    RETURNN's ``rec`` layer finds its parameters there (FACTS.md, "Variable collections").
-
-    When the network changes between epochs (``pretrain``, ``get_network``), variables of the
-    same name and shape carry over; one asked for with another shape is created anew (RETURNN
-    initializes it) and the old one is kept in :attr:`replaced` for :func:`carry_over`.
-    """
-
-    def __init__(self):
-        super().__init__(name="returnn_params")
-        self.by_name: Dict[str, tf.Variable] = {}
-        self.in_network: set = set()  # names the current network uses (what a checkpoint holds)
-        self.replaced: Dict[str, tf.Variable] = {}  # old variables whose new network wants another shape
-        self.allow_new_shapes = False
-        self.graph_seed = 42  # TF graph-level seed of the initializers (RETURNN's per-network seed)
-
-    def start_network(self, *, allow_new_shapes: bool, graph_seed: int, drop=()):
-        """Starts a new network: ``drop`` names are initialized afresh, other names carry over."""
-        self.graph_seed = graph_seed
-        for name in drop:
-            self.by_name.pop(name, None)
-        self.in_network = set()
-        self.replaced = {}
-        self.allow_new_shapes = allow_new_shapes
-
-    def creator(self, next_creator, **kwargs):
-        name = kwargs["name"]
-        var = self.by_name.get(name)
-        if var is not None and self._asked_with_other_shape(var, kwargs):
-            if not self.allow_new_shapes:
-                raise ValueError(f"parameter {name} exists with shape {var.shape}, asked for {kwargs.get('shape')}")
-            self.replaced[name] = var
-            var = None
-        if var is None:
-            # A TF1 caching device (a function of the op, which dynamic_rnn sets) means nothing to an
-            # eager variable, and tf.device refuses a function there.
-            kwargs.pop("caching_device", None)
-            with tf.init_scope():
-                if callable(kwargs.get("initial_value")):
-                    kwargs["initial_value"] = self.initial_value_as_in_graph(kwargs["initial_value"])
-                var = next_creator(**kwargs)
-            self.by_name[name] = var
-        self.in_network.add(name)
-        self._add_to_collections(var, kwargs.get("trainable", True))
-        return var
-
-    def start_build(self):
-        """Makes the next network build each variable's first, as every build is in plain RETURNN.
-
-        ``LayerBase.add_param`` takes the variables of a layer with ``"trainable": False`` out of the
-        build's TRAINABLE_VARIABLES only where it sees a variable for the first time (its
-        ``RETURNN_layer`` unset); these variables outlive a build, so a second build would train
-        a frozen layer (FACTS.md, "Frozen layers")."""
-        for var in self.by_name.values():
-            if getattr(var, "RETURNN_layer", None) is not None:
-                var.RETURNN_layer = None
-
-    @staticmethod
-    def _asked_with_other_shape(var: tf.Variable, kwargs) -> bool:
-        return tuple(var.shape) != tuple(tf.TensorShape(kwargs.get("shape") or var.shape))
-
-    @staticmethod
-    def _add_to_collections(var: tf.Variable, trainable: bool):
-        graph = tf.compat.v1.get_default_graph()
-        collections = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES]
-        if trainable:
-            collections.append(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
-        for key in collections:
-            if not any(v is var for v in graph.get_collection(key)):
-                graph.add_to_collection(key, var)
-
-    def lend(self, variables: Dict[str, tf.Variable], next_creator, **kwargs):
-        """A creator for a shared build: hands out ``variables[name]``, creates nothing."""
-        del next_creator
-        var = variables.get(kwargs["name"])
-        if var is None or self._asked_with_other_shape(var, kwargs):
-            raise SharedBuildUnsupported(f"parameter {kwargs['name']} was not made by the network's first build")
-        self._add_to_collections(var, kwargs.get("trainable", True))
-        return var
-
-    def initial_value_as_in_graph(self, initial_value):
-        """The value RETURNN's initializer gives in a TF1 graph seeded with :attr:`graph_seed`.
-
-        RETURNN gives several initializers the same op seed; in a graph each such op starts the
-        same random sequence, while eager ops with one seed continue a shared one (FACTS.md,
-        "RETURNN's seeds"). A throwaway graph per variable reproduces plain RETURNN's values.
-        Initializers that need tensors of the trace keep the eager path.
-        """
-        graph = tf.Graph()
-        try:
-            with graph.as_default():
-                tf.compat.v1.set_random_seed(self.graph_seed)
-                tensor = initial_value()
-                with tf.compat.v1.Session(graph=graph) as session:
-                    return session.run(tensor)
-        except (ValueError, TypeError, tf.errors.OpError):
-            return initial_value
-
-    def network_variables(self) -> Dict[str, tf.Variable]:
-        """The current network's variables by name."""
-        return {name: self.by_name[name] for name in sorted(self.in_network)}
 
 
 def carry_over(variables: VariableCache, copy_param_mode: Optional[str], first_copy, log_file=None):
@@ -274,61 +169,9 @@ class NetworkInfo:
     param_shapes: Dict[str, List[int]]  # every parameter's shape by variable name
 
 
-def fresh_dims(config) -> Dict[int, Any]:
-    """Copies of the dynamic ``Dim`` objects the config's ``extern_data`` names, by ``id`` of the original.
-
-    A ``Dim`` keeps the sizes it was given, so one shared by the builds of several replicas and
-    traces would mix their tensors (FACTS.md, "Extern data per trace"). Each build uses copies,
-    one per original, so data keys that share a dim (``dim_tags``, ``same_dim_tags_as``) still
-    share it. The result is a ``copy.deepcopy`` memo: applied to the extern data options and the
-    network dict, it replaces the originals consistently in both.
-    """
-    from returnn.tensor import Dim, batch_dim
-
-    memo: Dict[int, Any] = {}
-    for opts in (config.typed_value("extern_data", None) or {}).values():
-        if not isinstance(opts, dict):
-            continue
-        named = list(opts.get("dim_tags") or opts.get("dims") or []) + list((opts.get("same_dim_tags_as") or {}).values())
-        for dim in named:
-            if isinstance(dim, Dim) and dim is not batch_dim and dim.dimension is None and id(dim) not in memo:
-                memo[id(dim)] = copied = Dim(None, name=dim.name, kind=dim.kind)
-                # Undefined like the dims a Tensor makes for itself without placeholders, which
-                # same_dim_tags_as declares the same as this one: a defined dim and an undefined one
-                # each defer to the other in RETURNN's declare_same_as, forever. build() defines
-                # them all once their sizes are set.
-                copied._extra.undefined = True
-    return memo
-
-
-def extern_data_template(config, *, placeholders: bool = False, dims: Optional[Dict[int, Any]] = None):
-    """RETURNN's ``ExternData`` for the config (from ``extern_data`` or ``num_inputs``/``num_outputs``),
-    with the dims of ``dims`` (see :func:`fresh_dims`) in place of the config's."""
-    from returnn.tensor import Tensor
-    from returnn.tf.network import ExternData, _extern_data_types_from_config
-
-    extern_data = ExternData()
-    if dims:
-        # RETURNN's init_from_config with the copies; the caller sets the sizes and then the batch info.
-        for key, init_args in _extern_data_types_from_config(config).items():
-            extern_data.data[key] = Tensor(name=key, **copy.deepcopy(init_args, dict(dims)))
-        extern_data.default_input = config.value("default_input", "data")
-        extern_data.default_target = config.value("target", "classes")
-    elif placeholders:
-        extern_data.init_from_config(config, auto_create_placeholders=True)
-    else:
-        # init_from_config creates a batch-dim placeholder when no input is set yet; keep it out of
-        # the trace (XLA cannot compile it). The caller sets the inputs and the real batch dim.
-        with tf.Graph().as_default():
-            extern_data.init_from_config(config, auto_create_placeholders=False)
-    for key, data in extern_data.data.items():
-        if len(data.get_dynamic_axes()) > 1:
-            raise ConfigError(f"extern_data[{key!r}] has more than one dynamic axis, which is not supported yet")
-    return extern_data
-
-
 class NetworkBuilder:
-    """Builds a network dict inside replica traces, all networks sharing one :class:`VariableCache`.
+    """Builds a network dict inside replica traces, all networks sharing one
+    :class:`returnn_tpu.variable_cache.VariableCache`.
 
     :meth:`use_network` sets the network (the config's ``network``, or one per epoch, see
     :class:`returnn_tpu.networks.EpochNetworks`); :meth:`build` constructs it in a trace.

@@ -2,7 +2,7 @@
 with buckets, and the per-epoch figures of compilation and padding.
 
 The compiled step itself is :class:`returnn_tpu.steps.ReplicaSteps`' (``jit_compile``), the
-buckets :class:`returnn_tpu.data.BucketBatching`, the check that a network compiles
+buckets :class:`returnn_tpu.batching.BucketBatching`, the check that a network compiles
 :func:`returnn_tpu.returnn_bridge.check_xla_compatible`.
 """
 

@@ -50,7 +50,8 @@ def test_shard_uses_every_sequence_once_across_local_replicas(tmp_path):
 
 def test_shard_uses_every_sequence_once_across_workers(tmp_path):
     """Each of two workers (one replica each) deals the same batches and takes its own."""
-    from returnn_tpu.data import EpochBatches, init_datasets
+    from returnn_tpu.data import EpochBatches
+    from returnn_tpu.datasets import init_datasets
 
     trainer = _trainer(tmp_path, "shard")
     seen, steps = collections.Counter(), []
@@ -140,7 +141,7 @@ def _streaming_setup(train, batch_size=200, max_seqs=4):
     from returnn.config import Config
     from returnn.datasets import init_dataset
 
-    from returnn_tpu.data import BatchingOptions, templates_from_shapes
+    from returnn_tpu.batching import BatchingOptions, templates_from_shapes
 
     config = Config({"batch_size": batch_size, "max_seqs": max_seqs})
     extern_data = templates_from_shapes({"data": {"shape": (None, 9), "dtype": "float32", "batch_dim_axis": 0},
@@ -185,13 +186,13 @@ def test_buckets_stream_in_order_and_hold_a_bounded_window(monkeypatch):
     """Bucketed batches (XLA) come in the order of their first sequence, each sequence once
     (unless longer than the largest bucket), and a bucket that began more than the window back is
     handed out unfilled, so the sequences held stay bounded."""
-    import returnn_tpu.data
+    import returnn_tpu.batching
     from returnn.config import Config
     from returnn.datasets import init_dataset
 
-    from returnn_tpu.data import BucketBatching
+    from returnn_tpu.batching import BucketBatching
 
-    monkeypatch.setattr(returnn_tpu.data, "BUCKET_WINDOW_SEQS", 6)
+    monkeypatch.setattr(returnn_tpu.batching, "BUCKET_WINDOW_SEQS", 6)
     dataset = init_dataset(_static_dataset())
     dataset.init_seq_order(1)
     batching = BucketBatching(Config({"batch_size": 64, "max_seqs": 8}), [4, 8], "data")

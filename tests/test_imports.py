@@ -68,7 +68,8 @@ def test_only_the_strategies_know_what_kind_of_strategy_runs():
     assert "returnn_tpu.strategies.sync.make_syncs" in imports_of(os.path.join("strategies", "__init__.py"))
 
 
-@pytest.mark.parametrize("relative", ["data.py", "producer.py"])
+@pytest.mark.parametrize("relative", ["data.py", "batching.py", "datasets.py", "producer.py", "producer_protocol.py",
+                                      "producer_blocks.py", "producer_serving.py", "producer_process.py"])
 def test_the_producer_side_never_imports_tensorflow(relative):
     """The producer process runs without TensorFlow (its memory; docs/data.md)."""
     assert sorted(m for m in imports_of(relative) if m.split(".")[0] == "tensorflow") == []

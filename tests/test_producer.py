@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import Code, config_12ax, run_cli
-from returnn_tpu.producer import BLOCK_PREFIX, remove_stale_blocks
+from returnn_tpu.producer_blocks import BLOCK_PREFIX, remove_stale_blocks
 
 
 def producer_config(num_seqs: int = 37, map_seq: str = "") -> str:
@@ -32,7 +32,7 @@ PRODUCER_CONFIG = producer_config()
 def _setup(tmp_path, text=PRODUCER_CONFIG):
     from returnn.config import Config
 
-    from returnn_tpu.returnn_bridge import extern_data_template
+    from returnn_tpu.network_inputs import extern_data_template
 
     path = tmp_path / "train.config"
     path.write_text(text)
@@ -42,13 +42,14 @@ def _setup(tmp_path, text=PRODUCER_CONFIG):
 
 
 def _templates(extern_data):
-    from returnn_tpu.data import template_shapes
+    from returnn_tpu.batching import template_shapes
 
     return template_shapes(extern_data, ["classes", "data"])
 
 
 def _in_process(config, extern_data, distribution, request):
-    from returnn_tpu.data import EpochBatches, init_datasets
+    from returnn_tpu.data import EpochBatches
+    from returnn_tpu.datasets import init_datasets
 
     datasets = init_datasets(config, "train", 2, 0, distribution)
     return list(EpochBatches(datasets, extern_data=extern_data, **request))
@@ -57,7 +58,7 @@ def _in_process(config, extern_data, distribution, request):
 @pytest.mark.parametrize("distribution,buckets", [("shard", None), ("random_seed_offset", None), ("shard", [50, 100, 300])],
                          ids=["shard", "random_seed_offset", "shard_buckets"])
 def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distribution, buckets):
-    from returnn_tpu.data import BatchingOptions, BucketBatching
+    from returnn_tpu.batching import BatchingOptions, BucketBatching
     from returnn_tpu.producer import DataProducer
 
     path, config, extern_data = _setup(tmp_path)
@@ -102,8 +103,9 @@ def _blocks_of(producer):
 
 
 def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path):
-    from returnn_tpu.data import BatchingOptions
-    from returnn_tpu.producer import LIVENESS_SECONDS, DataProducer, ProducerError
+    from returnn_tpu.batching import BatchingOptions
+    from returnn_tpu.producer import LIVENESS_SECONDS, DataProducer
+    from returnn_tpu.producer_protocol import ProducerError
 
     path, config, extern_data = _setup(tmp_path, producer_config(400))
     producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
@@ -180,8 +182,10 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
     worker 1 learns within a bound that the producer is gone."""
     import threading
 
-    from returnn_tpu.data import BatchingOptions
-    from returnn_tpu.producer import DataProducer, ProducerError, RemoteProducer, ServeOptions
+    from returnn_tpu.batching import BatchingOptions
+    from returnn_tpu.producer import DataProducer, RemoteProducer
+    from returnn_tpu.producer_protocol import ProducerError
+    from returnn_tpu.producer_serving import ServeOptions
 
     path, config, extern_data = _setup(tmp_path)
     key = os.urandom(16)

@@ -1,0 +1,121 @@
+"""The data producer process: it answers its trainer's commands with the steps' batches.
+
+:func:`run_producer` is the process (spawned by :class:`returnn_tpu.producer.DataProducer`): it
+loads the config, makes the training datasets and, for each epoch the trainer asks for, the same
+:class:`returnn_tpu.data.EpochBatches` as training in the process would, and puts each step's
+arrays into shared memory (:mod:`returnn_tpu.producer_blocks`) until the data ends or the trainer
+says ``stop``. As worker 0's producer with ``data_producer = "chief"``, it also serves the other
+workers their parts (:mod:`returnn_tpu.producer_serving`). Every failure goes to the trainer as an
+``error`` message. No TensorFlow here (FACTS.md, "A producer without TensorFlow").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import traceback
+from typing import Optional
+
+from returnn_tpu.producer_blocks import put_block
+from returnn_tpu.producer_protocol import ProducerError, expect
+from returnn_tpu.producer_serving import ServeOptions, WorkerConnections
+
+
+def run_producer(setup: dict, commands, results):
+    """The producer process: answers the trainer's commands until ``exit`` (or its death)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow looks: the producer computes nothing on a GPU
+    from returnn_tpu.launcher import STOP_SIGNALS, die_with_parent
+
+    die_with_parent()
+    for signum in STOP_SIGNALS:  # the trainer decides when to stop
+        signal.signal(signum, signal.SIG_IGN)
+    workers = None
+    try:
+        serve: Optional[ServeOptions] = setup["serve"]
+        if serve:
+            listener = socket.create_server((serve.host, 0))
+            results.put(("listening", listener.getsockname()[1]))
+        epochs = _EpochMaker(setup)
+        if serve:
+            workers = WorkerConnections(listener, serve)
+        while True:
+            kind, payload = commands.recv()  # closed by the trainer: EOFError
+            if kind == "epoch":
+                _produce_epoch(epochs, payload, commands, results, workers)
+    except (EOFError, KeyboardInterrupt):
+        return  # the trainer is gone
+    except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
+        from returnn_tpu.errors import ConfigError
+
+        if isinstance(exc, ConfigError):  # bad input: the trainer reports it as its own
+            error = ("error", str(exc), True)
+        else:
+            lines = traceback.format_exception_only(type(exc), exc)
+            error = ("error", lines[-1].strip() if lines else type(exc).__name__, False)
+        results.put(error)
+        if workers:
+            try:
+                workers.send_all(error)
+            except ProducerError:
+                pass  # that worker is gone already
+
+
+class _EpochMaker:
+    """The producer's training datasets (one per replica it feeds with ``random_seed_offset``) and
+    their :class:`returnn_tpu.data.EpochBatches`.
+
+    No TensorFlow here (FACTS.md, "A producer without TensorFlow"): the trainer sends with each
+    request the shapes of the network's ``extern_data`` (:func:`returnn_tpu.batching.template_shapes`).
+    """
+
+    def __init__(self, setup: dict):
+        from returnn_tpu.datasets import init_datasets
+        from returnn_tpu.startup import load_config
+
+        config = load_config(setup["config_filename"], setup["overrides"])
+        self.datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
+                                      setup["distribution"], all_replicas=setup["all_replicas"])
+
+    def start(self, request: dict):
+        """The EpochBatches of ``request`` (its epoch started: RETURNN's ``init_seq_order``)."""
+        from returnn_tpu.batching import templates_from_shapes
+        from returnn_tpu.data import EpochBatches
+
+        request = dict(request)
+        extern_data = templates_from_shapes(request.pop("templates"))
+        return EpochBatches(self.datasets, extern_data=extern_data, prefetch=1, **request)
+
+
+def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, workers: Optional[WorkerConnections]):
+    """Epoch ``request["epoch"]``: started (and the other workers, which ask for the same epoch,
+    told), then, after the trainer's ``go``, each step's batches, until the data ends or the
+    trainer says ``stop``."""
+    others = range(1, len(workers.connections) + 1) if workers else range(0)
+    batches = epochs.start(request)
+    for worker in others:
+        asked = workers.receive(worker, "epoch")
+        if asked != request["epoch"]:
+            raise ProducerError(f"worker {worker} asked the data producer for epoch {asked}, worker 0 for "
+                                f"{request['epoch']}")
+    results.put(("started", batches.start_seconds))
+    for worker in others:
+        workers.send(worker, ("started", batches.start_seconds))
+    ((first_step, batch_offset),) = expect(commands.recv(), "go", "the step to begin at")
+    for worker in others:
+        if workers.receive(worker, "go") != (first_step, batch_offset):
+            raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
+    batches.start_at(first_step, batch_offset)
+    for step_batches, weights in batches:
+        if commands.poll() and commands.recv()[0] == "stop":
+            break
+        if workers:
+            own_batches, own_weights = workers.own_part(step_batches, weights, 0)
+            results.put(("step", *put_block(own_batches), own_weights))
+            for worker in others:
+                workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
+        else:
+            results.put(("step", *put_block(step_batches), weights))
+    results.put(("end", batches.batching.take_counters()))
+    for worker in others:
+        workers.send(worker, ("end", {}))
