@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, StepLearningRate
-from returnn_tpu.returnn_bridge import carry_over, check_xla_compatible
+from returnn_tpu.returnn_bridge import check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 
 
@@ -127,4 +127,4 @@ class CurrentNetwork:
         print(f"network built and train step traced in {time.perf_counter() - start:.1f} s", file=self.log.v2)
         self.built = True
         copy_mode = self.networks.copy_param_mode(self.builder.net_dict, self.epoch)
-        carry_over(self.builder.variables, copy_mode, self.steps.first_copy, log_file=self.log.v3)
+        self.builder.variables.carry_over(copy_mode, self.steps.first_copy, log_file=self.log.v3)

@@ -8,7 +8,8 @@ construction run inside ``strategy.run(step_fn, ...)`` (see FACTS.md):
   of TensorFlow and RETURNN is).
 * :class:`returnn_tpu.variable_cache.VariableCache` creates each ``tf.compat.v1.get_variable``
   once (as a distributed variable when a strategy scope is active) and hands the same object to
-  every later trace; :func:`carry_over` fills re-created parameters after a network change.
+  every later trace, and :meth:`VariableCache.carry_over` fills re-created parameters after a
+  network change.
 * :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data
   (:mod:`returnn_tpu.network_inputs`), with a fresh variable store and fresh variable
   collections, and a per-replica random seed.
@@ -84,33 +85,6 @@ def in_process_config(values: Mapping[str, Any]):
     select_backend(config)
     log.initialize(logs=[], verbosity=[0])
     return config
-
-
-def carry_over(variables: VariableCache, copy_param_mode: Optional[str], first_copy, log_file=None):
-    """After a network change: fills re-created parameters from their old values where RETURNN would.
-
-    With ``copy_param_mode = "subset"`` the old values fill the overlapping part of the new shape
-    (RETURNN's ``copy_with_new_split_axes``, honouring LSTM-style split axes); otherwise the new
-    parameter keeps its fresh initialization, as in RETURNN. ``first_copy(var)`` is a variable's
-    value in cross-replica context.
-    """
-    from returnn.tf.util import basic as tf_util
-
-    for name, old in sorted(variables.replaced.items()):
-        new = variables.by_name[name]
-        old_values, new_values = first_copy(old), first_copy(new)
-        if copy_param_mode != "subset" or old_values.ndim != new_values.ndim:
-            print(f"Will not set param {name!r} because its shape {list(new.shape)} != {list(old.shape)}.", file=log_file)
-            continue
-        split_info = tf_util.get_param_axes_split_info(new)
-        if split_info:
-            old_splits = tf_util.transform_param_axes_split_info_to_new_shape(split_info, old_values.shape, debug_name=name)
-        else:
-            old_splits, split_info = [[d] for d in old_values.shape], [[d] for d in new_values.shape]
-        print(f"Param {name!r}: transform old values of shape {list(old.shape)} into new shape {list(new.shape)}.",
-              file=log_file)
-        new.assign(tf_util.copy_with_new_split_axes(old_splits, split_info, old_values, new_values))
-    variables.replaced = {}
 
 
 @contextlib.contextmanager

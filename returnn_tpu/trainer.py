@@ -59,7 +59,8 @@ class Trainer:
         self.cluster = cluster or Cluster("local", None)
         self.strategy = make_strategy(options, self.cluster)
         self.workers = WorkerCollectives(self.strategy, self.cluster.worker_index)
-        self.syncs = make_syncs(options, self.strategy, num_workers=self.cluster.num_workers, any_worker=self.workers.any)
+        self.syncs = make_syncs(options, self.strategy, num_workers=self.cluster.num_workers,
+                                any_worker=self.workers.any)
         self.networks = EpochNetworks(config)
         self.builder = NetworkBuilder(config, net_dict=self.networks.net_dict(1))
         self.optimizer = optimizer_from_config(config)

@@ -5,13 +5,13 @@ and here a network is built once per replica per trace. :class:`VariableCache` i
 creator of those builds: it creates each variable once (a distributed variable under a strategy
 scope), with the initial value RETURNN's graph would give it, puts it where RETURNN's layers look
 for it, and keeps what a network change re-created, for
-:func:`returnn_tpu.returnn_bridge.carry_over`. A module of its own because it is the one state
+:meth:`VariableCache.carry_over`. A module of its own because it is the one state
 that outlives the builds of :class:`returnn_tpu.returnn_bridge.NetworkBuilder`.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import tensorflow as tf
 
@@ -30,7 +30,7 @@ class VariableCache(tf.Module):
     When the network changes between epochs (``pretrain``, ``get_network``), variables of the
     same name and shape carry over; one asked for with another shape is created anew (RETURNN
     initializes it) and the old one is kept in :attr:`replaced` for
-    :func:`returnn_tpu.returnn_bridge.carry_over`.
+    :meth:`carry_over`.
     """
 
     def __init__(self):
@@ -126,3 +126,31 @@ class VariableCache(tf.Module):
     def network_variables(self) -> Dict[str, tf.Variable]:
         """The current network's variables by name."""
         return {name: self.by_name[name] for name in sorted(self.in_network)}
+
+    def carry_over(self, copy_param_mode: Optional[str], first_copy, log_file=None):
+        """After a network change: fills re-created parameters from their old values where RETURNN would.
+
+        With ``copy_param_mode = "subset"`` the old values fill the overlapping part of the new shape
+        (RETURNN's ``copy_with_new_split_axes``, honouring LSTM-style split axes); otherwise the new
+        parameter keeps its fresh initialization, as in RETURNN. ``first_copy(var)`` is a variable's
+        value in cross-replica context.
+        """
+        from returnn.tf.util import basic as tf_util
+
+        for name, old in sorted(self.replaced.items()):
+            new = self.by_name[name]
+            old_values, new_values = first_copy(old), first_copy(new)
+            if copy_param_mode != "subset" or old_values.ndim != new_values.ndim:
+                print(f"Will not set param {name!r} because its shape {list(new.shape)} != {list(old.shape)}.",
+                      file=log_file)
+                continue
+            split_info = tf_util.get_param_axes_split_info(new)
+            if split_info:
+                old_splits = tf_util.transform_param_axes_split_info_to_new_shape(
+                    split_info, old_values.shape, debug_name=name)
+            else:
+                old_splits, split_info = [[d] for d in old_values.shape], [[d] for d in new_values.shape]
+            print(f"Param {name!r}: transform old values of shape {list(old.shape)} into new shape {list(new.shape)}.",
+                  file=log_file)
+            new.assign(tf_util.copy_with_new_split_axes(old_splits, split_info, old_values, new_values))
+        self.replaced = {}

@@ -1,7 +1,7 @@
 """Local SGD's sync: the RETURNN trainer's side of a strategy, what its loop's sync points do
 (:mod:`.lifecycle`; overlapped syncs: :class:`OverlappedSyncs`), when the replicas' copies are
-combined (:mod:`.schedule`) and how (:mod:`.averaging` and its variants :mod:`.diloco`, :mod:`.slowmo`; the int8/int4 wire
-format: :mod:`.quantized`).
+combined (:mod:`.schedule`) and how (:mod:`.averaging` and its variants :mod:`.diloco`,
+:mod:`.slowmo`; the int8/int4 wire format: :mod:`.quantized`).
 
 Every combination runs in replica context (inside ``strategy.run``), the same code for the
 host-driven path (``local_sgd``: the trainer calls a sync function between steps) and the in-step
@@ -77,5 +77,6 @@ def make_syncs(options: DistributeOptions, strategy: tf.distribute.Strategy, *, 
     )
     syncs = OverlappedSyncs if options.sync_delay else LocalSGDSyncs
     return syncs(strategy, make_averaging(options, keep_synced_model=num_workers > 1), schedule,
-                 updates_in_replica=in_replica, sync_steps=None if options.param_sync_time_diff else options.param_sync_step,
+                 updates_in_replica=in_replica,
+                 sync_steps=None if options.param_sync_time_diff else options.param_sync_step,
                  ignored_local_step=bool(options.local_param_sync_step) and local_step is None)

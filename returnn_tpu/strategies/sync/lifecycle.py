@@ -353,7 +353,7 @@ class OverlappedSyncs(LocalSGDSyncs):
         return tf.constant(True)
 
     def _snapshot_fn(self, fragments: Tuple[int, ...]):
-        self.strategy.run(lambda: self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments)))
+        self.strategy.run(self._replica_start_overlapped, args=(fragments,))
 
     def _reduce_fn(self, fragments: Tuple[int, ...]):
         self.strategy.run(self._replica_reduce, args=(fragments,))
