@@ -22,8 +22,9 @@ class CurrentNetwork:
 
     ``networks`` (:class:`returnn_tpu.networks.EpochNetworks`) says which network each epoch
     trains, ``builder`` (:class:`returnn_tpu.returnn_bridge.NetworkBuilder`) builds it, ``syncs``
-    (:mod:`returnn_tpu.strategies.sync.lifecycle`) and ``data`` (:class:`returnn_tpu.epochs.EpochData`) hear of
-    a change, ``workers`` check that every worker has the same network.
+    (:mod:`returnn_tpu.strategies.sync.lifecycle`) and ``data``
+    (:class:`returnn_tpu.epochs.EpochData`) hear of a change, ``workers`` check that every worker
+    has the same network.
     """
 
     def __init__(self, config, options, strategy, *, networks, builder, optimizer, syncs, workers, data,

@@ -5,7 +5,8 @@ happens in a training step. The variables are ordinary ``MirroredVariable`` obje
 
 * :class:`TrainerLocalSGDStrategy` (the RETURNN trainer's): every reduction reduces as TensorFlow
   defines it; the package's optimizers apply each replica's gradient to its own copy
-  (:func:`returnn_tpu.strategies.is_local_sgd`), and :mod:`returnn_tpu.strategies.sync` combines the copies.
+  (:func:`is_local_sgd`), and the trainer's syncs (:func:`returnn_tpu.strategies.make_syncs`)
+  combine the copies.
 * :class:`LocalSGDStrategy` (a TF2 or Keras program's): its extended
   (:class:`ScheduledLocalSGDMixin`) gives TensorFlow's and Keras' own update path local-SGD
   semantics, decides when to sync and combines the copies; :class:`SyncCallback` combines them
@@ -69,8 +70,8 @@ class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended
 class ScheduledLocalSGDMixin:
     """What makes an extended that a TF2 or Keras program trains with local SGD: it gives
     TensorFlow's and Keras' own update path local-SGD semantics, owns the schedule and combines
-    the copies with :mod:`returnn_tpu.strategies.sync`'s rules, those of the RETURNN trainer (docs/FACTS.md,
-    "Local SGD for TF2 programs").
+    the copies with :mod:`returnn_tpu.strategies.sync`'s rules, those of the RETURNN trainer
+    (docs/FACTS.md, "Local SGD for TF2 programs").
 
     * A replica-context all-reduce of gradients (Keras' optimizers sum the replicas' gradients
       with ``ReplicaContext.all_reduce``, which reaches :meth:`batch_reduce_to` in a
@@ -83,10 +84,10 @@ class ScheduledLocalSGDMixin:
       schedule counts it, and the fragments due are synced by a second ``strategy.run`` in the
       same program, under ``tf.cond``: ``sync_fragments`` F splits the trainable variables into F
       fragments, fragment i synced after update ``(i + 1) * N / F`` of each cycle of
-      ``param_sync_step`` N updates (:class:`returnn_tpu.strategies.sync.SyncSchedule`'s rule); with
-      ``sync_delay`` d, a sync's mean is taken after its update and applied d updates later.
-    * How copies combine is :func:`returnn_tpu.strategies.sync.make_averaging`'s object for the options:
-      plain averaging, DiLoCo's Nesterov outer step, ``sync_dtype`` (int8/int4 with error
+      ``param_sync_step`` N updates (:class:`returnn_tpu.strategies.sync.SyncSchedule`'s rule);
+      with ``sync_delay`` d, a sync's mean is taken after its update and applied d updates later.
+    * How copies combine is :func:`returnn_tpu.strategies.sync.make_averaging`'s object for the
+      options: plain averaging, DiLoCo's Nesterov outer step, ``sync_dtype`` (int8/int4 with error
       feedback), ``sync_mix``. Its state (anchors, outer momenta, residuals) is made beside each
       trainable variable as the variable is made in the scope.
     * :meth:`sync_now` combines every trainable variable at once (before evaluating, saving or
@@ -180,7 +181,7 @@ class ScheduledLocalSGDMixin:
         for fragment, variables in self._fragments():
             if self.sync_delay:
                 when(due[fragment],
-                      lambda fragment=fragment, variables=variables: self._start_overlapped(fragment, variables))
+                     lambda fragment=fragment, variables=variables: self._start_overlapped(fragment, variables))
             else:
                 when(due[fragment], lambda variables=variables: self._sync_fragment(variables))
 
@@ -192,7 +193,7 @@ class ScheduledLocalSGDMixin:
         ready = tf.logical_and(in_flight >= 0, tf.logical_or(waited >= self.sync_delay, flush))
         for fragment, variables in self._fragments():
             when(tf.logical_and(ready, tf.equal(in_flight, fragment)),
-                  lambda variables=variables: self._finish_overlapped(variables))
+                 lambda variables=variables: self._finish_overlapped(variables))
 
     def _fragments(self):
         """``(index, its trainable variables: key -> variable)`` of each fragment that has any,

@@ -3,15 +3,15 @@ for the RETURNN trainer, and :class:`LocalSGDTPUStrategy` for a TF2 or Keras pro
 
 TPUs run one XLA program per step and replicate only through ``strategy.run`` with the inputs
 as arguments, so ``local_sgd_tpu`` runs the whole local-SGD step inside that program: each core
-applies its own gradients to its own copy, and the sync (:mod:`returnn_tpu.strategies.sync`, the same code
-as for ``local_sgd``) runs under ``tf.cond`` on the fragments the host says are due.
+applies its own gradients to its own copy, and the sync (:mod:`returnn_tpu.strategies.sync`, the
+same code as for ``local_sgd``) runs under ``tf.cond`` on the fragments the host says are due.
 :class:`LocalSGDTPUStrategy` runs a program's own step unchanged and each sync due as a program
 of its own (:class:`ScheduledLocalSGDTPUMixin`).
 
 Not run on a real TPU yet (none was available): what a CPU can show is tested (the error when
-no TPU is found; the trainer's in-step sync logic, with ``TrainerLocalSGDStrategy(in_step_sync=True)``;
-the TF2 strategy's schedule and syncs around ``tpu_run``, over local CPU devices in
-tests/test_tf2_strategy.py).
+no TPU is found; the trainer's in-step sync logic, with
+``TrainerLocalSGDStrategy(in_step_sync=True)``; the TF2 strategy's schedule and syncs around
+``tpu_run``, over local CPU devices in tests/test_tf2_strategy.py).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _tpu_strategies_make(extended_class):
 
 class TrainerLocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
     """Local SGD on the cores of a TPU for the RETURNN trainer (``local_sgd_tpu``): each core
-    trains its own copy with the package's optimizers, and :mod:`returnn_tpu.strategies.sync` combines the
-    copies inside the compiled step. TF2 programs use :class:`LocalSGDTPUStrategy`.
+    trains its own copy with the package's optimizers, and :mod:`returnn_tpu.strategies.sync`
+    combines the copies inside the compiled step. TF2 programs use :class:`LocalSGDTPUStrategy`.
 
     TensorFlow's own ``__init__`` runs, with the local-SGD extended in place of its own, so every
     setting it makes (packed variables in eager mode, its usage gauges) holds here too.
@@ -104,8 +104,8 @@ class ScheduledLocalSGDTPUMixin(ScheduledLocalSGDMixin):
     the all-reduce of a gradient gives that core's own (a tensor, not a per-replica value)
     (FACTS.md, "Local SGD for TF2 programs")."""
 
-    def _start_schedule(self, options):
-        super()._start_schedule(options)
+    def _start_schedule(self, options, keep_synced_model: bool = False):
+        super()._start_schedule(options, keep_synced_model)
         self._run_makes_update = False  # set while a run's function is traced
         self._reporting = weakref.WeakKeyDictionary()  # fn -> fn that reports its update
 
