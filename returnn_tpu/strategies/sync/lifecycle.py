@@ -215,9 +215,13 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
 
     def _run(self, due: SyncDue, learning_rate: float, stats):
         start = time.perf_counter()
-        self._sync(tuple(due.fragments), due.local, tf.constant(learning_rate, tf.float32))
+        self._sync_now(due, learning_rate)
         if stats is not None:
             stats.add_sync(time.perf_counter() - start, self.sync_bytes(due), local=due.local)
+
+    def _sync_now(self, due: SyncDue, learning_rate: float):
+        """Host path: the sync ``due`` names, between steps."""
+        self._sync(tuple(due.fragments), due.local, tf.constant(learning_rate, tf.float32))
 
     def _fragment_flags(self, fragments: Tuple[int, ...]) -> tf.Tensor:
         return tf.constant([i in fragments for i in range(self.schedule.num_fragments)])
@@ -302,7 +306,7 @@ class OverlappedSyncs(LocalSGDSyncs):
             if due.fragments:
                 self._start_overlapped(due.fragments)
             elif due.local:
-                self._sync(tuple(due.fragments), due.local, tf.constant(learning_rate, tf.float32))
+                self._sync_now(due, learning_rate)
         seconds = 0.0 if self.updates_in_replica else time.perf_counter() - start
         if due.fragments or due.local:
             stats.add_sync(seconds, self.sync_bytes(due), local=due.local)
