@@ -29,7 +29,7 @@ DEFAULT_SYNC_MIX = 0.5  # Streaming DiLoCo's mixing factor (Douillard et al., 20
 # Options of local SGD's sync; any of them with another strategy is an error, not ignored.
 LOCAL_SGD_OPTIONS = ("param_sync_step", "param_sync_time_diff", "outer_optimizer", "optimizer_state_at_sync",
                      "sync_dtype", "local_param_sync_step", "sync_fragments", "sync_delay", "sync_mix",
-                     "sync_error_feedback")
+                     "sync_error_feedback", "sync_warmup_steps")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -101,6 +101,8 @@ class DistributeOptions:
         compute, then its result is applied (0: at once).
     :ivar sync_mix: overlapped syncs: each copy becomes ``sync_mix * copy + (1 - sync_mix) *
         synced model`` when a sync is applied (0: the synced model).
+    :ivar sync_warmup_steps: post-local SGD: the first this many updates of the training are
+        synchronous (the replicas' mean gradient, as ``mirrored``); local SGD starts after them.
     :ivar local_param_sync_step: hierarchical averaging: the replicas of each worker average every
         this many steps, all workers every ``param_sync_step``.
     :ivar sync_fragments: streaming syncs: the parameters in this many fragments of about equal
@@ -138,6 +140,7 @@ class DistributeOptions:
     sync_delay: int = 0
     sync_mix: float = DEFAULT_SYNC_MIX
     sync_error_feedback: bool = True
+    sync_warmup_steps: int = 0
     skip_nonfinite_steps: bool = False
     data_producer: str = "process"
     data_prefetch: int = 4
@@ -267,6 +270,8 @@ def _sync_options(strategy: str, options: Mapping[str, Any]) -> dict:
     if "sync_dtype" in options:
         kwargs["sync_dtype"] = _one_of("sync_dtype", options["sync_dtype"], SYNC_DTYPES)
     step = options.get("param_sync_step", DEFAULT_PARAM_SYNC_STEP)
+    if options.get("sync_warmup_steps") is not None:
+        kwargs["sync_warmup_steps"] = _positive_int("sync_warmup_steps", options["sync_warmup_steps"])
     for key in ("local_param_sync_step", "sync_fragments"):
         if options.get(key) is None:
             continue
@@ -339,7 +344,8 @@ def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str =
     if unknown:
         raise ConfigError(f"{strategy_name} has no option {unknown[0]!r}; its options: {', '.join(valid)}")
     checked = DistributeOptions.from_config_values("local_sgd", options)
-    refused = [repr(key) for key in ("param_sync_time_diff", "local_param_sync_step") if options.get(key) is not None]
+    refused = [repr(key) for key in ("param_sync_time_diff", "local_param_sync_step", "sync_warmup_steps")
+               if options.get(key) is not None]
     if checked.optimizer_state_at_sync != "keep":
         refused.append(f"optimizer_state_at_sync {checked.optimizer_state_at_sync!r}")
     if checked.outer_optimizer is not None and checked.outer_optimizer["class"] != "nesterov":

@@ -19,6 +19,7 @@ to per-replica sums, and the next :meth:`ReplicaSteps.train` adds its own and ap
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -144,7 +145,8 @@ class ReplicaSteps:
         what ``due`` names (the host path syncs after it: ``syncs.after_update``)."""
         shape = tuple(sorted((key, value.shape) for key, value in step_batches[0].items())) if self.jit_compile else None
         start = time.perf_counter()
-        metrics = self._train(*self._train_args(self.distribute(step_batches), learning_rate, due))
+        metrics = self._train(*self._train_args(self.distribute(step_batches), learning_rate, due),
+                              mean_gradient=bool(due and due.mean_gradient))
         if shape is not None and shape not in self._run_shapes:  # this call compiled the step
             self._run_shapes.add(shape)
             self.compilations += 1
@@ -188,18 +190,20 @@ class ReplicaSteps:
 
     # ---- traced ---------------------------------------------------------------------------------
 
-    def _train_fn(self, batch, learning_rate, update=None):
-        """An update (``update`` None or True) or, with ``accum_grad_multiple_step``, a micro-batch."""
+    def _train_fn(self, batch, learning_rate, update=None, *, mean_gradient=False):
+        """An update (``update`` None or True) or, with ``accum_grad_multiple_step``, a micro-batch;
+        ``mean_gradient``: a synchronous update (:meth:`CopiesAlwaysEqual.update_rules`), a trace of its own."""
+        rules = self.syncs.update_rules(mean_gradient)
         grads, metrics, finite = self.strategy.run(
             self.replica.update_gradients, args=(batch,) if update is None else (batch, update)
         )
         grads_and_vars = [(grads[name], self.builder.variables.by_name[name]) for name in sorted(grads)]
 
         def apply():
-            ok = self.syncs.all_finite(finite)
+            ok = rules.all_finite(finite)
             rate = self.step_learning_rate(learning_rate, self.optimizer.step.read_value())
             with tf.control_dependencies([self.optimizer.apply(self.strategy, grads_and_vars, rate,
-                                                               reduce=self.syncs.reduces_gradients, apply_if=ok)]):
+                                                               reduce=rules.reduces_gradients, apply_if=ok)]):
                 return tf.constant(True)
 
         # Runs although unused: tf.function keeps stateful ops. A micro-batch neither updates nor
@@ -207,14 +211,16 @@ class ReplicaSteps:
         tf.cond(update, apply, lambda: tf.constant(False)) if update is not None else apply()
         return metrics
 
-    def _train_in_replica_fn(self, batch, learning_rate, *sync_flags):
-        return self.strategy.run(self._replica_train_and_apply, args=(batch, learning_rate, *sync_flags))
+    def _train_in_replica_fn(self, batch, learning_rate, *sync_flags, mean_gradient=False):
+        rules = self.syncs.update_rules(mean_gradient)
+        return self.strategy.run(functools.partial(self._replica_train_and_apply, rules),
+                                 args=(batch, learning_rate, *sync_flags))
 
-    def _replica_train_and_apply(self, batch, learning_rate, *sync_flags):
+    def _replica_train_and_apply(self, rules, batch, learning_rate, *sync_flags):
         self.syncs.before_update_in_replica(sync_flags)
         grads, metrics, finite = self.replica.update_gradients(batch)
         names = sorted(grads)
-        grad_list, finite = self.syncs.gradients_in_replica([grads[name] for name in names], finite)
+        grad_list, finite = rules.gradients_in_replica([grads[name] for name in names], finite)
         variables = [self.builder.variables.by_name[name] for name in names]
         rate = self.step_learning_rate(learning_rate, self.optimizer.step.read_value())
         self.optimizer.apply_in_replica(self.strategy, list(zip(grad_list, variables)), rate, apply_if=finite)

@@ -72,3 +72,35 @@ def test_copies_differ_between_syncs_and_agree_after(tmp_path, rng):
     after_5 = weights()
     numpy.testing.assert_array_equal(after_5[0], after_5[1])
     assert numpy.abs(after_5[0] - after_3[0]).max() > 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["local_sgd", "local_sgd_tpu"])
+def test_sync_warmup_is_synchronous_then_local_sgd_starts_from_its_model(tmp_path, strategy):
+    """``sync_warmup_steps`` W (post-local SGD): with Adam, where averaging the copies every step is
+    not synchronous training, the first W updates equal ``mirrored``'s; after them the copies
+    part, the outer optimizer's anchor is the warm-up's model, and the first sync is N updates later."""
+    warmup, sync_step = 4, 3
+    adam = {"optimizer": {"class": "adam"}, "learning_rate": 0.01}
+    outer = {"class": "nesterov", "learning_rate": 0.5, "momentum": 0.5}
+    tf.random.set_seed(1)
+    in_step = {"cluster_resolver": "local", "jit_compile": False} if strategy == "local_sgd_tpu" else {}
+    trainer, local = _final_params(tmp_path, FEED_FORWARD, strategy, warmup, seed=3, **adam, distribute_options={
+        "param_sync_step": sync_step, "outer_optimizer": outer, "sync_warmup_steps": warmup, **in_step})
+    tf.random.set_seed(1)
+    _, mirrored = _final_params(tmp_path, FEED_FORWARD, "mirrored", warmup, seed=3, **adam)
+    for name in local:
+        for local_copy, mirrored_copy in zip(local[name], mirrored[name]):
+            numpy.testing.assert_allclose(local_copy, mirrored_copy, atol=1e-6, rtol=0, err_msg=name)
+    strategy = trainer.steps.strategy
+    for name, anchor in trainer.syncs.averaging.anchors.items():
+        for copy in strategy.experimental_local_results(anchor):
+            numpy.testing.assert_array_equal(copy.numpy(), local[name][0], err_msg=name)
+    rng = numpy.random.RandomState(4)
+    weights = lambda: trainer.parameter_copies()["hidden/W"]  # noqa: E731
+    for update in range(1, sync_step + 1):
+        trainer.train_step(random_step_batches(rng, 2), 0.1)
+        copies = weights()
+        if update < sync_step:
+            assert numpy.abs(copies[0] - copies[1]).max() > 1e-5, update
+        else:
+            numpy.testing.assert_array_equal(copies[0], copies[1])

@@ -195,6 +195,18 @@ def test_schedule_of_hierarchy_and_fragments():
     assert [d.fragments for d in due if d][:4] == [(0,), (1,), (2,), (3,)]
 
 
+def test_schedule_warmup_counts_the_whole_training_then_starts_the_first_cycle():
+    from returnn_tpu.strategies.sync import SyncDue, SyncSchedule
+
+    schedule = SyncSchedule(2, warmup=3, fragments=2)
+    due = [schedule.step() for _ in range(7)]
+    assert due[:3] == [SyncDue(mean_gradient=True)] * 3
+    assert due[3:] == [SyncDue(fragments=(0,)), SyncDue(fragments=(1,))] * 2
+    resumed = SyncSchedule(2, warmup=3)
+    resumed.start_at(2)  # a checkpoint after 2 updates: one synchronous update is left
+    assert [resumed.step() for _ in range(3)] == [SyncDue(mean_gradient=True), None, SyncDue(fragments=(0,))]
+
+
 def test_local_syncs_in_the_trainer_leave_the_outer_state_alone(tmp_path):
     trainer = make_trainer(tmp_path, FEED_FORWARD, distribute_options={
         "param_sync_step": 6, "local_param_sync_step": 2, "outer_optimizer": DILOCO})

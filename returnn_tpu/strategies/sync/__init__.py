@@ -74,6 +74,7 @@ def make_syncs(options: DistributeOptions, strategy: tf.distribute.Strategy, *, 
         delay=options.sync_delay,
         any_worker=any_worker,
         time_check_steps=1 if num_workers == 1 else 10,
+        warmup=options.sync_warmup_steps,
     )
     syncs = OverlappedSyncs if options.sync_delay else LocalSGDSyncs
     return syncs(strategy, make_averaging(options, keep_synced_model=num_workers > 1), schedule,

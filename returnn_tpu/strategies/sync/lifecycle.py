@@ -15,6 +15,9 @@ strategy, and never which strategy it runs:
   passes for the fragments due (:meth:`LocalSGDSyncs.step_flags`).
 * :class:`OverlappedSyncs`: ``sync_delay`` > 0.
 
+With ``sync_warmup_steps`` the schedule makes the first updates synchronous: the train step then
+takes :meth:`CopiesAlwaysEqual.update_rules` ``(True)``, the rules of a synchronous strategy.
+
 ``stats`` counts the syncs of the epoch (:class:`returnn_tpu.reporting.EpochStats`).
 """
 
@@ -49,12 +52,17 @@ class CopiesAlwaysEqual:
 
     def attach(self, variables: Variables, optimizer):
         """A network's trainable variables exist (``variables()`` returns them by name) and
-        ``optimizer`` (its ``slots_by_variable()`` and ``slot_step``) updates them."""
+        ``optimizer`` (its ``slots_by_variable()``, ``slot_step`` and ``step``) updates them."""
         if self.strategy.num_replicas_in_sync > 1:
             self.update_bytes = self.local_replicas * sum(
                 var.shape.num_elements() * var.dtype.size for var in variables().values())
 
     # ---- inside the train step ---------------------------------------------------------------
+
+    def update_rules(self, mean_gradient: bool) -> "CopiesAlwaysEqual":
+        """Whose :meth:`all_finite`, :meth:`gradients_in_replica` and :attr:`reduces_gradients` an
+        update follows: ``mean_gradient`` (:attr:`SyncDue.mean_gradient`) asks for a synchronous one."""
+        return self
 
     def all_finite(self, finite):
         """Host path, cross-replica context: where the update applies, given each replica's
@@ -132,14 +140,20 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
         self.fragments: List[List[str]] = []  # parameter names per fragment of the current network
         self._variables: Variables = dict
         self._optimizer = None
+        # The warm-up's updates (``sync_warmup_steps``) follow a synchronous strategy's rules.
+        self._synchronous = CopiesAlwaysEqual(strategy, updates_in_replica=updates_in_replica)
 
     def attach(self, variables, optimizer):
+        self._synchronous.attach(variables, optimizer)
         self._variables, self._optimizer = variables, optimizer
         sizes = {name: var.shape.num_elements() * var.dtype.size for name, var in variables().items()}
         self.fragments = split_into_fragments(sizes, self.schedule.num_fragments)
         self.averaging.create_state(self.strategy, variables())
         self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
         self._start_sync = tf.function(self._start_sync_fn, autograph=False)
+
+    def update_rules(self, mean_gradient):
+        return self._synchronous if mean_gradient else self
 
     def all_finite(self, finite):
         return finite  # each replica's own update
@@ -166,6 +180,8 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
     def after_update(self, due, learning_rate, stats):
         if due is None:
             return False
+        if due.mean_gradient:
+            return self._after_synchronous_update(stats)
         if self.updates_in_replica:  # the step synced: counted, not timed
             stats.add_sync(0.0, self.sync_bytes(due), local=due.local)
         else:
@@ -173,13 +189,16 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
         return not due.local
 
     def synced_model(self):
-        return self.averaging.anchors if self.averaging.keeps_anchor else None
+        # In the warm-up the copies are that model; the anchor is set when local SGD starts.
+        return self.averaging.anchors if self.averaging.keeps_anchor and not self.schedule.warming_up else None
 
     def at_epoch_end(self, learning_rate, stats):
         if self.schedule.pending():
             self.now(learning_rate, stats)
 
     def now(self, learning_rate=0.0, stats=None):
+        if self.schedule.warming_up:
+            return  # the copies are equal after every synchronous update (and an outer step has no anchor yet)
         due = self.schedule.all_fragments
         self.schedule.synced()
         self._run(due, learning_rate, stats)
@@ -189,6 +208,7 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
         # checkpoint, the anchor is the model: checkpoints are written after a full sync).
         self._start_sync()
         self.schedule.synced()
+        self.schedule.start_at(int(self._optimizer.step.numpy()))  # where the warm-up stands
 
     def network_changed(self):
         self.averaging.forget_state()  # the new network's outer state starts from its parameters
@@ -201,6 +221,9 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
             notes.append(f"{strategy} with 1 replica trains as on one device (nothing to average); set "
                          "distribute_options['num_replicas'] (CPU: logical devices), or run on several GPUs or "
                          "workers")
+        if self.schedule.warmup:
+            notes.append(f"the first {self.schedule.warmup} updates are synchronous (sync_warmup_steps); local SGD "
+                         "starts after them")
         warning = self.averaging.start_warning(self.sync_steps)
         if warning:
             notes.append(f"warning: {warning}")
@@ -212,6 +235,15 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
             return 0  # nothing leaves the replica, or the worker
         return self.local_replicas * self.averaging.bytes_per_replica(
             self._fragment_variables(due.fragments), self._optimizer.slots_by_variable())
+
+    def _after_synchronous_update(self, stats) -> bool:
+        """After a warm-up update: its gradients' bytes counted; after the last one, local SGD
+        starts from the model every copy holds, which becomes the first cycle's anchor."""
+        stats.sync_bytes += self._synchronous.update_bytes
+        if not self.schedule.warming_up:
+            self._start_sync()
+            self.schedule.synced()
+        return True
 
     def _run(self, due: SyncDue, learning_rate: float, stats):
         start = time.perf_counter()
@@ -295,6 +327,8 @@ class OverlappedSyncs(LocalSGDSyncs):
             tf.cond(due[index], lambda i=index: self._replica_start_overlapped((i,)), lambda: tf.constant(False))
 
     def after_update(self, due, learning_rate, stats):
+        if due is not None and due.mean_gradient:
+            return self._after_synchronous_update(stats)
         if self.updates_in_replica:
             self._unreduced = due.fragments if due else ()  # the next step all-reduces what this one took
         if due is None:

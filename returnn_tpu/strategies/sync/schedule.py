@@ -19,11 +19,17 @@ class SyncDue:
     """What to sync after a step: ``fragments`` over all replicas, or (``local``) every parameter
     among the replicas of each worker only. With ``sync_delay`` > 0 the syncs of ``fragments``
     start after the step and are applied later; ``applied`` names the fragments of the sync in
-    flight whose result is applied after this step, before any new one starts."""
+    flight whose result is applied after this step, before any new one starts. ``mean_gradient``:
+    the update itself is synchronous (the warm-up, ``sync_warmup_steps``): every replica applies
+    the replicas' mean gradient, so the copies stay equal and nothing is synced after it."""
 
     fragments: Tuple[int, ...] = ()
     local: bool = False
     applied: Tuple[int, ...] = ()
+    mean_gradient: bool = False
+
+
+SYNCHRONOUS_UPDATE = SyncDue(mean_gradient=True)
 
 
 class SyncSchedule:
@@ -35,6 +41,11 @@ class SyncSchedule:
     are not a global sync. With ``delay`` tau > 0 (overlapped), the sync that starts after
     update t is applied after update t + tau; one sync is in flight at a time (a sync due
     earlier, by time, applies the one in flight first).
+
+    With ``warmup`` W (post-local SGD, Lin et al., 2020; the synchronous start of DiLoCo's
+    workers), the first W updates of the whole training are synchronous (:data:`SYNCHRONOUS_UPDATE`)
+    and the first cycle starts after them; :meth:`start_at` tells the schedule how many updates a
+    resumed run has already made.
 
     Step counts agree between workers by construction; clocks do not, so with ``time_diff`` the
     workers decide together every ``time_check_steps`` steps (``any_worker``: one small
@@ -51,6 +62,7 @@ class SyncSchedule:
         delay: int = 0,
         any_worker: Callable[[bool], bool] = bool,
         time_check_steps: int = 1,
+        warmup: int = 0,
     ):
         self.param_sync_step = param_sync_step
         self.time_diff = time_diff
@@ -59,6 +71,8 @@ class SyncSchedule:
         self.delay = delay
         self.any_worker = any_worker
         self.time_check_steps = time_check_steps
+        self.warmup = warmup
+        self.updates = 0  # of the whole training (the warm-up counts them)
         # The update of a cycle after which each fragment is synced (the last one ends the cycle).
         self.fragment_ends = [round((i + 1) * param_sync_step / fragments) for i in range(fragments)]
         self.steps_since_sync = 0  # updates in the current cycle
@@ -70,8 +84,21 @@ class SyncSchedule:
     def all_fragments(self) -> SyncDue:
         return SyncDue(fragments=tuple(range(self.num_fragments)))
 
+    @property
+    def warming_up(self) -> bool:
+        """Whether the next update is one of the synchronous warm-up's."""
+        return self.updates < self.warmup
+
+    def start_at(self, updates: int):
+        """The run has made ``updates`` updates (a resumed run: those of its checkpoint)."""
+        self.updates = updates
+
     def step(self) -> Optional[SyncDue]:
         """Counts one update; returns what is due after it (the same answer on every worker)."""
+        warming_up = self.warming_up
+        self.updates += 1
+        if warming_up:
+            return SYNCHRONOUS_UPDATE
         self.steps_since_sync += 1
         due = self._due()
         if not self.delay:
