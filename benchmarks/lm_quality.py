@@ -17,7 +17,9 @@ are combined. Rows:
 * ``diloco_N_paper`` (outer Nesterov 0.7 / momentum 0.9) and ``diloco_N`` (0.7 / 0.5, docs/local_sgd.md's
   recommendation) for N = 16, 64;
 * ``diloco_64_fragments`` (4 fragments, ``sync_delay`` 2), ``diloco_64_int8``,
-  ``diloco_64_int4`` and ``diloco_64_int4_no_ef`` (error feedback off).
+  ``diloco_64_int4`` and ``diloco_64_int4_no_ef`` (error feedback off);
+* ``..._warmup``: ``local_sgd_16`` and ``diloco_64`` after a synchronous warm-up of one
+  sub-epoch (``sync_warmup_steps``, post-local SGD), and ``diloco_64_warmup_half`` after half of one.
 
 ``sync_4``, ``diloco_64`` and ``diloco_64_int4`` run with 3 seeds (``random_seed``: the
 initialization), the others with 1. For each run: dev and test perplexity per character (the
@@ -58,6 +60,7 @@ ACCUMULATE_4 = ["++accum_grad_multiple_step", "4"]  # the setting of the rows na
 PAPER = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9}
 RECOMMENDED = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}
 SEEDED_ROWS = ("sync_4", "diloco_64", "diloco_64_int4")
+WARMUP_UPDATES = 440  # one sub-epoch of the 2,208 updates of one pass
 
 
 def rows() -> Dict[str, Optional[dict]]:
@@ -76,6 +79,9 @@ def rows() -> Dict[str, Optional[dict]]:
     table["diloco_64_int8"] = dict(diloco_64, sync_dtype="int8")
     table["diloco_64_int4"] = dict(diloco_64, sync_dtype="int4")
     table["diloco_64_int4_no_ef"] = dict(diloco_64, sync_dtype="int4", sync_error_feedback=False)
+    table["local_sgd_16_warmup"] = dict(table["local_sgd_16"], sync_warmup_steps=WARMUP_UPDATES)
+    table["diloco_64_warmup"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES)
+    table["diloco_64_warmup_half"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES // 2)
     return table
 
 
@@ -194,9 +200,11 @@ def main():
     parser.add_argument("--corpus-dir", default=corpus.DEFAULT_OUT, help="the prepared corpus (benchmarks/corpus.py)")
     parser.add_argument("--only", nargs="*", help="these rows only")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the rows that run with several")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="passes over the training text (5 sub-epochs each; the table's runs: 1)")
     parser.add_argument("--smoke", action="store_true", help="two rows, a few steps, a tiny corpus")
     args = parser.parse_args()
-    extra: List[str] = []
+    extra: List[str] = ["++num_epochs", str(5 * args.passes)] if args.passes != 1 else []
     names = args.only or list(rows())
     if args.smoke:
         args.out = tempfile.mkdtemp(prefix="lm_quality_smoke_")

@@ -21,6 +21,7 @@ RUNS = {
     "epoch_time.py": [TINY_CONFIG, "--smoke"],
     "local_sgd_quality.py": ["--smoke"],
     "lm_quality.py": ["--smoke"],
+    "lm_wall_clock.py": ["--smoke"],
     "memory.py": [TINY_CONFIG],
     "memory_growth.py": ["--smoke"],
     "multi_worker.py": ["--smoke"],
@@ -29,6 +30,7 @@ RUNS = {
     "relay.py": ["--smoke"],
     "slow_link.py": ["--smoke"],
     "startup.py": [TINY_CONFIG, "--smoke"],
+    "time_to_quality.py": ["--smoke"],
     "xla.py": ["--smoke"],
 }
 
