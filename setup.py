@@ -22,7 +22,10 @@ setup(
         # Cloud TPU VMs: TensorFlow's TPU build (newest 2.20) and, for named TPUs on GCE, the client.
         "tpu": ["tensorflow-tpu>=2.16,<2.21", "cloud-tpu-client"],
         "mpi": ["mpi4py>=3.1"],  # SGE / mpirun clusters (cluster_resolver "mpi", "sge")
-        "test": ["pytest>=7", "pytest-xdist>=3.2", "mpi4py>=3.1", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+        # RETURNN's OggZipDataset reads Ogg files (soundfile) and computes MFCC / log-mel (librosa).
+        "speech": ["soundfile", "librosa"],
+        "test": ["pytest>=7", "pytest-xdist>=3.2", "mpi4py>=3.1", "nbclient", "nbformat", "ipykernel", "matplotlib",
+                 "soundfile", "librosa", "scipy"],
     },
     entry_points={"console_scripts": ["returnn-tpu=returnn_tpu.cli:main"]},
 )

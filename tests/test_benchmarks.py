@@ -29,6 +29,7 @@ RUNS = {
     "regroup.py": ["--smoke"],
     "relay.py": ["--smoke"],
     "slow_link.py": ["--smoke"],
+    "speech_corpus.py": ["--smoke"],
     "startup.py": [TINY_CONFIG, "--smoke"],
     "time_to_quality.py": ["--smoke"],
     "xla.py": ["--smoke"],
