@@ -19,7 +19,9 @@ are combined. Rows:
 * ``diloco_64_fragments`` (4 fragments, ``sync_delay`` 2), ``diloco_64_int8``,
   ``diloco_64_int4`` and ``diloco_64_int4_no_ef`` (error feedback off);
 * ``..._warmup``: ``local_sgd_16`` and ``diloco_64`` after a synchronous warm-up of one
-  sub-epoch (``sync_warmup_steps``, post-local SGD), and ``diloco_64_warmup_half`` after half of one.
+  sub-epoch (``sync_warmup_steps``, post-local SGD), and ``diloco_64_warmup_half`` after half of one;
+* ``diloco_64_lr1.0`` and ``diloco_64_lr1.4``: the outer learning rate raised from 0.7 (momentum
+  0.5): outer steps of 2x and 2.8x the replicas' mean change once the momentum has built up.
 
 ``sync_4``, ``diloco_64`` and ``diloco_64_int4`` run with 3 seeds (``random_seed``: the
 initialization), the others with 1. For each run: dev and test perplexity per character (the
@@ -82,6 +84,8 @@ def rows() -> Dict[str, Optional[dict]]:
     table["local_sgd_16_warmup"] = dict(table["local_sgd_16"], sync_warmup_steps=WARMUP_UPDATES)
     table["diloco_64_warmup"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES)
     table["diloco_64_warmup_half"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES // 2)
+    for outer_lr in (1.0, 1.4):
+        table[f"diloco_64_lr{outer_lr}"] = dict(diloco_64, outer_optimizer=dict(RECOMMENDED, learning_rate=outer_lr))
     return table
 
 

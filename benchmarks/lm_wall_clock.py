@@ -244,7 +244,7 @@ def main():
         args.corpus_dir = os.path.join(args.out, "corpus")
         corpus.write_tiny_corpus(os.path.join(args.out, "tiny"))
         corpus.prepare(os.path.join(args.out, "tiny"), args.corpus_dir, vocab_size=100)
-        names, args.links, warmup = ["plain", "diloco_64_warmup"], ["100mbit_20ms"], 2
+        names, args.links, warmup = args.only or ["plain", "diloco_64_warmup"], ["100mbit_20ms"], 2
         extra = ["++num_epochs", "2", "++batch_size", "200", "++max_seqs", "2"]
     if not os.path.exists(os.path.join(args.corpus_dir, "vocab.chars.txt")):
         raise SystemExit(f"lm_wall_clock.py: no prepared corpus in {args.corpus_dir}; run benchmarks/corpus.py first")

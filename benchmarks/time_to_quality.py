@@ -22,8 +22,9 @@ model then predicts each throttled run's training seconds to the target from its
 (updates to the target) and the link; printed beside the measured seconds.
 
 ``--map`` draws where each setting wins (``docs/images/time_to_quality_map.png``): over link
-bandwidth and compute per update, the setting of the least time to the target on the curves of
-``--curves`` (``lm_quality.py``'s ``runs.json``: 4 replicas, so 4 workers), for the Brown LM's
+bandwidth and compute per update, the setting of the least time to the target (by default the
+worst final perplexity of the rows compared: a quality every one of them reaches in the pass) on
+the curves of ``--curves`` (``lm_quality.py``'s ``runs.json``: 4 replicas, so 4 workers), for the Brown LM's
 own size and for a model of 25M parameters (the curves' shape assumed to carry over), with three
 clusters marked.
 
@@ -294,7 +295,8 @@ def main():
     parser.add_argument("--rows", nargs="*", default=["sync_4", "local_sgd_16", "diloco_64", "diloco_64_int4",
                                                       "local_sgd_16_warmup", "diloco_64_warmup"],
                         help="the rows of --curves the map compares (seed 1)")
-    parser.add_argument("--target", type=float, help="dev perplexity (default: sync_4's after its first sub-epoch)")
+    parser.add_argument("--target", type=float,
+                        help="dev perplexity (default: the worst final one of the rows, which every row reaches)")
     parser.add_argument("--map", help="where to draw the map (PNG)")
     parser.add_argument("--check", help="lm_wall_clock.py's wall_clock.json: the model against the measured runs")
     parser.add_argument("--smoke", action="store_true", help="the model on a tiny made-up input")
@@ -312,7 +314,7 @@ def main():
         missing = sorted(set(args.rows) - set(runs))
         if missing:
             raise SystemExit(f"time_to_quality.py: {args.curves} has no seed-1 run of {', '.join(missing)}")
-        target = args.target or runs["sync_4"]["curve"][0]["dev_ppl"]
+        target = args.target or max(run["dev_ppl"] for run in runs.values())
         model_bytes = runs["sync_4"]["bytes_per_update"] / 4  # 4 replicas' gradients per update
         print(summary(runs, target, model_bytes))
         print(summary(runs, target, PARAMETERS_OF_A_LARGER_MODEL * 4))
