@@ -52,3 +52,23 @@ def test_the_benchmark_runs(script, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     table = [line for line in result.stdout.splitlines() if line.strip()]
     assert len(table) >= 2, result.stdout  # a heading and at least one row
+
+
+def test_the_time_model_adds_up_compute_transfers_warmup_and_overlap():
+    """benchmarks/time_to_quality.py's model, by hand: 2 workers on 100 Mbit/s with 20 ms latency,
+    a 1 MB model, 10 ms of compute per update."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from time_to_quality import Link, Machine, Setting, updates_to
+
+    link = Link(1e8, 0.02)
+    all_reduce = 1e6 * 8 / 1e8 + 2 * 0.02  # 2 workers: each sends half twice (the whole model), 2 latencies
+    assert link.all_reduce(1e6, 2) == pytest.approx(all_reduce)
+    machine = Machine(0.01, 1e6, 2, link, gradient_overhead=0.001, sync_overhead=0.002)
+    assert machine.seconds(Setting.of(None), 10) == pytest.approx(10 * (0.01 + all_reduce + 0.001))
+    local = Setting.of({"param_sync_step": 5, "sync_warmup_steps": 4})
+    assert machine.seconds(local, 14) == pytest.approx(4 * (0.01 + all_reduce + 0.001) + 10 * 0.01 + 2 * (all_reduce + 0.002))
+    overlapped = Setting.of({"param_sync_step": 5, "sync_delay": 3, "sync_dtype": "int4"})
+    gather = 1e6 * 4.5 / 32 * 8 / 1e8 + 0.02 + 0.002
+    assert machine.seconds(overlapped, 10) == pytest.approx(10 * 0.01 + 2 * (gather - 3 * 0.01))
+    curve = [{"updates": 100, "dev_ppl": 9.0}, {"updates": 200, "dev_ppl": 7.0}]
+    assert updates_to(curve, 8.0) == pytest.approx(150) and updates_to(curve, 6.0) is None
