@@ -97,6 +97,18 @@ def _dev_scores(folder: str) -> Dict[int, float]:
     return scores
 
 
+def _plain_records(folder: str) -> List[dict]:
+    """Plain RETURNN's epochs in the fields of returnn-tpu's ``metrics.jsonl`` that :func:`run`
+    reads: its updates and training seconds (RETURNN rounds them to whole seconds), no syncs."""
+    from returnn.learning_rate_control import LearningRateControl
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        control = LearningRateControl(default_learning_rate=1.0, filename=os.path.join(folder, "out", "learning_rates"))
+    return [{"epoch": epoch, "steps": int(data.meta["epoch_num_train_steps"]),
+             "seconds": float(data.meta["epoch_train_time_secs"]), "sync_seconds": 0.0, "syncs": 0, "sync_bytes": 0}
+            for epoch, data in sorted(control.epoch_data.items())]
+
+
 def run(name: str, row: Optional[tuple], link: Optional[tuple], folder: str, corpus_dir: str,
         extra: List[str]) -> dict:
     """Trains one row in ``folder`` (its workers through a relay of ``link``); its curve."""
@@ -146,6 +158,8 @@ def run(name: str, row: Optional[tuple], link: Optional[tuple], folder: str, cor
     if os.path.exists(os.path.join(folder, "out", "metrics.jsonl")):
         with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
+    else:  # plain RETURNN: its learning-rate file's meta data (whole training seconds)
+        records = _plain_records(folder)
     curve, updates, train_seconds, sent = [], 0, 0.0, 0
     for epoch in sorted(dev):
         record = next((r for r in records if r["epoch"] == epoch), None)

@@ -101,7 +101,10 @@ def run(variant: str, epochs: int, workers: int, sync_step: int) -> Dict[str, Tu
         shutil.rmtree(folder)
     growth = {}
     for name, points in sorted(samples.items()):
-        xs, ys = numpy.array([p for p in points if p[0] >= epochs // 5 and p[1] == p[1]]).T
+        kept = [p for p in points if p[0] >= epochs // 5 and p[1] == p[1]]
+        if not kept:  # a process seen only during start-up (e.g. a short-lived helper): no growth to fit
+            continue
+        xs, ys = numpy.array(kept).T
         slope = float(numpy.polyfit(xs, ys, 1)[0]) if len(set(xs)) > 2 else float("nan")
         growth[name] = (slope, float(ys[-1]))
     return growth
