@@ -16,7 +16,9 @@ throttled link (or none: ``unthrottled``). Plain RETURNN runs in one process, on
 
 Per run, from the processes' own records: the wall seconds from the launch to each sub-epoch's
 dev score (start-up and evaluation included, polled from the learning-rate file), the training
-seconds of each sub-epoch with those of its syncs (``metrics.jsonl``), the bytes each worker
+seconds of each sub-epoch with those of its syncs and of its agreements on where the epoch ends
+(``metrics.jsonl``: one small all-gather, timed, whose cost on each link calibrates
+``time_to_quality.py``'s small exchanges), the bytes each worker
 handed to collectives, and the compute seconds per update (training seconds outside syncs).
 Each run is a JSON file in ``--out``/runs (a second start skips those); at the end
 ``wall_clock.json`` (all runs) and ``dev_ppl_vs_wall.png`` (one panel per link), and the table
@@ -173,6 +175,9 @@ def run(name: str, row: Optional[tuple], link: Optional[tuple], folder: str, cor
     return {"row": name, "options": row and row[1], "link": link, "curve": curve,
             "compute_seconds_per_update": sorted(compute)[len(compute) // 2] if compute else None,
             "sync_seconds": sum(r["sync_seconds"] for r in records), "syncs": sum(r["syncs"] for r in records),
+            "agreements": sum(r.get("agreements", 0) for r in records),
+            "agree_seconds": sum(r.get("agree_seconds", 0.0) for r in records),
+            "trace_seconds": sum(r.get("trace_seconds", 0.0) for r in records),
             "bytes_per_update": sent / updates if updates else 0,
             "startup_seconds": records[0].get("startup_seconds") if records else None}
 
