@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "benchmarks", "configs", "brown_lm.config")
@@ -65,8 +65,9 @@ SEEDED_ROWS = ("sync_4", "diloco_64", "diloco_64_int4")
 WARMUP_UPDATES = 440  # one sub-epoch of the 2,208 updates of one pass
 
 
-def rows() -> Dict[str, Optional[dict]]:
-    """Row name -> returnn-tpu's distribute options (None: plain RETURNN)."""
+def rows(warmup_updates: int = WARMUP_UPDATES) -> Dict[str, Optional[dict]]:
+    """Row name -> returnn-tpu's distribute options (None: plain RETURNN); the warm-up rows'
+    synchronous updates are ``warmup_updates`` (half of them in ``diloco_64_warmup_half``)."""
     local = {"num_replicas": REPLICAS, "dataset_distribution": "shard"}
     table: Dict[str, Optional[dict]] = {name: None for name in PLAIN_ROWS}
     table["single_accum_4"] = {}
@@ -81,58 +82,75 @@ def rows() -> Dict[str, Optional[dict]]:
     table["diloco_64_int8"] = dict(diloco_64, sync_dtype="int8")
     table["diloco_64_int4"] = dict(diloco_64, sync_dtype="int4")
     table["diloco_64_int4_no_ef"] = dict(diloco_64, sync_dtype="int4", sync_error_feedback=False)
-    table["local_sgd_16_warmup"] = dict(table["local_sgd_16"], sync_warmup_steps=WARMUP_UPDATES)
-    table["diloco_64_warmup"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES)
-    table["diloco_64_warmup_half"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES // 2)
+    table["local_sgd_16_warmup"] = dict(table["local_sgd_16"], sync_warmup_steps=warmup_updates)
+    table["diloco_64_warmup"] = dict(diloco_64, sync_warmup_steps=warmup_updates)
+    table["diloco_64_warmup_half"] = dict(diloco_64, sync_warmup_steps=warmup_updates // 2)
     for outer_lr in (1.0, 1.4):
         table[f"diloco_64_lr{outer_lr}"] = dict(diloco_64, outer_optimizer=dict(RECOMMENDED, learning_rate=outer_lr))
     return table
 
 
-def command(name: str, options: Optional[dict], seed: int, extra: List[str]) -> List[str]:
+def command(name: str, options: Optional[dict], seed: int, extra: List[str], config: str = CONFIG) -> List[str]:
+    """The command line of one row: plain RETURNN, or returnn-tpu with the row's strategy and options."""
     settings = ["++random_seed", str(seed), *extra, *(ACCUMULATE_4 if name.endswith("_accum_4") else [])]
     if options is None:
-        return [sys.executable, "-m", "returnn", CONFIG, *settings]
+        return [sys.executable, "-m", "returnn", config, *settings]
     strategy = "single" if name.startswith("single") else "mirrored" if name.startswith("sync") else "local_sgd"
-    return [sys.executable, "-m", "returnn_tpu.cli", CONFIG, *settings, "++distribute_strategy", strategy,
+    return [sys.executable, "-m", "returnn_tpu.cli", config, *settings, "++distribute_strategy", strategy,
             "++distribute_options", repr(options)]
 
 
 def run(name: str, options: Optional[dict], seed: int, corpus_dir: str, folder: str, extra: List[str]) -> dict:
     """Trains one row in ``folder``; its figures (raises SystemExit naming it if it fails)."""
-    from returnn.learning_rate_control import LearningRateControl
-
-    shutil.rmtree(folder, ignore_errors=True)
-    os.makedirs(os.path.join(folder, "out"))
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", DISABLE_CUDA="1", BROWN_LM_CORPUS=corpus_dir)
     start = time.time()
-    with open(os.path.join(folder, "log.txt"), "w") as log:
-        status = subprocess.run(command(name, options, seed, extra), cwd=folder, env=env, stdout=log,
-                                stderr=subprocess.STDOUT).returncode
-    if status != 0:
-        raise SystemExit(f"lm_quality.py: {name} (seed {seed}) failed with status {status}; see {folder}/log.txt")
-    control = LearningRateControl(default_learning_rate=1.0, filename=os.path.join(folder, "out", "learning_rates"))
-    epochs = sorted(control.epoch_data)
-    metrics = []
-    if os.path.exists(os.path.join(folder, "out", "metrics.jsonl")):
-        with open(os.path.join(folder, "out", "metrics.jsonl")) as f:
-            metrics = [json.loads(line) for line in f if line.strip()]
-    steps, curve = 0, []
+    train(f"{name} (seed {seed})", command(name, options, seed, extra), folder, BROWN_LM_CORPUS=corpus_dir)
     accumulated = int(ACCUMULATE_4[1]) if name.endswith("_accum_4") else 1  # micro-batches per update
-    for epoch in epochs:
-        data = control.epoch_data[epoch]
-        steps += int(data.meta.get("epoch_num_train_steps", 0))  # micro-batches, with accumulation
-        updates = steps // accumulated
-        bytes_sent = sum(m["sync_bytes"] for m in metrics if m["epoch"] <= epoch)  # syncs, or gradients
-        curve.append({"epoch": epoch, "updates": updates, "bytes": bytes_sent,
-                      "dev_ppl": math.exp(_score(data.error, "dev")), "test_ppl": math.exp(_score(data.error, "eval"))})
-    train_seconds = sum(float(control.epoch_data[e].meta.get("epoch_train_time_secs", 0)) for e in epochs)
+    records, train_seconds = epoch_records(os.path.join(folder, "out"), accumulated)
+    curve = [{"epoch": r["epoch"], "updates": r["updates"], "bytes": r["bytes"],
+              "dev_ppl": math.exp(_score(r["errors"], "dev")), "test_ppl": math.exp(_score(r["errors"], "eval"))}
+             for r in records]
     last = curve[-1]
+    updates = last["updates"]
     return {"row": name, "seed": seed, "options": options, "dev_ppl": last["dev_ppl"], "test_ppl": last["test_ppl"],
             "dev_bpc": math.log2(last["dev_ppl"]), "test_bpc": math.log2(last["test_ppl"]), "updates": updates,
             "bytes_per_update": last["bytes"] / max(1, updates),
             "updates_per_second": updates / train_seconds if train_seconds else None,
             "wall_seconds": time.time() - start, "curve": curve}
+
+
+def train(label: str, cmd: List[str], folder: str, **env: str):
+    """Runs ``cmd`` in a fresh ``folder`` (its output in ``log.txt``, the config's files in
+    ``out/``), with ``env`` added to the environment; SystemExit naming ``label`` if it fails."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(os.path.join(folder, "out"))
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", DISABLE_CUDA="1", **env)
+    with open(os.path.join(folder, "log.txt"), "w") as log:
+        status = subprocess.run(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: {label} failed with status {status}; see {folder}/log.txt")
+
+
+def epoch_records(out: str, accumulated: int = 1) -> Tuple[List[dict], float]:
+    """A finished run's sub-epochs from its ``learning_rates`` file and ``metrics.jsonl`` in
+    ``out``: per sub-epoch its number, the updates so far (``accumulated`` micro-batches each),
+    the bytes handed to the collectives so far (syncs, or gradients) and RETURNN's scores
+    (``errors``: ``dev_score``, ``dev_error``, ...); and the training seconds of all of them."""
+    from returnn.learning_rate_control import LearningRateControl
+
+    control = LearningRateControl(default_learning_rate=1.0, filename=os.path.join(out, "learning_rates"))
+    epochs = sorted(control.epoch_data)
+    metrics = []
+    if os.path.exists(os.path.join(out, "metrics.jsonl")):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            metrics = [json.loads(line) for line in f if line.strip()]
+    steps, records = 0, []
+    for epoch in epochs:
+        data = control.epoch_data[epoch]
+        steps += int(data.meta.get("epoch_num_train_steps", 0))  # micro-batches, with accumulation
+        records.append({"epoch": epoch, "updates": steps // accumulated, "errors": data.error,
+                        "bytes": sum(m["sync_bytes"] for m in metrics if m["epoch"] <= epoch)})
+    train_seconds = sum(float(control.epoch_data[e].meta.get("epoch_train_time_secs", 0)) for e in epochs)
+    return records, train_seconds
 
 
 def _score(errors: Dict[str, float], dataset: str) -> float:

@@ -16,20 +16,21 @@ How good the model is after u updates does not depend on the hardware (the curve
 
 The wall time to a target is then the time of the updates the curve needs to reach it.
 
-``--check WALL_CLOCK_JSON`` compares the model with ``lm_wall_clock.py``'s measured runs: the
-compute per update and the per-collective overheads are taken from the unthrottled runs, and the
-model then predicts each throttled run's training seconds to the target from its own curve
-(updates to the target) and the link; printed beside the measured seconds.
+``--check`` compares the model with ``lm_wall_clock.py``'s measured runs: the compute per update
+and the collectives' fixed costs are fitted on the unthrottled runs, their round trips on the
+1 Gbit/s runs, and the model then predicts every run's training seconds to the target from its
+own curve (updates to the target) and its link, printed beside the measured seconds; the
+100 Mbit/s runs, which the fit never saw, are the test.
 
 ``--map`` draws where each setting wins (``docs/images/time_to_quality_map.png``): over link
 bandwidth and compute per update, the setting of the least time to the target (by default the
 worst final perplexity of the rows compared: a quality every one of them reaches in the pass) on
-the curves of ``--curves`` (``lm_quality.py``'s ``runs.json``: 4 replicas, so 4 workers), for the Brown LM's
-own size and for a model of 25M parameters (the curves' shape assumed to carry over), with three
+the curves of the wall-clock runs (unthrottled, 2 workers, and plain RETURNN), or of ``--curves``
+(``lm_quality.py``'s ``runs.json``: 4 replicas, so 4 workers), for the Brown LM's own size and for a model of 25M parameters (the curves' shape assumed to carry over), with three
 clusters marked.
 
-    python benchmarks/time_to_quality.py --curves lm_quality/runs.json --map docs/images/time_to_quality_map.png
-    python benchmarks/time_to_quality.py --check lm_wall_clock/wall_clock.json
+    python benchmarks/time_to_quality.py --wall-clock lm_wall_clock/wall_clock.json --check
+    python benchmarks/time_to_quality.py --wall-clock lm_wall_clock/wall_clock.json --map docs/images/time_to_quality_map.png
 
 ``--smoke``: the model on a tiny made-up input (the test of this code).
 """
