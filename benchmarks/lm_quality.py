@@ -65,9 +65,8 @@ SEEDED_ROWS = ("sync_4", "diloco_64", "diloco_64_int4")
 WARMUP_UPDATES = 440  # one sub-epoch of the 2,208 updates of one pass
 
 
-def rows(warmup_updates: int = WARMUP_UPDATES) -> Dict[str, Optional[dict]]:
-    """Row name -> returnn-tpu's distribute options (None: plain RETURNN); the warm-up rows'
-    synchronous updates are ``warmup_updates`` (half of them in ``diloco_64_warmup_half``)."""
+def rows() -> Dict[str, Optional[dict]]:
+    """Row name -> returnn-tpu's distribute options (None: plain RETURNN)."""
     local = {"num_replicas": REPLICAS, "dataset_distribution": "shard"}
     table: Dict[str, Optional[dict]] = {name: None for name in PLAIN_ROWS}
     table["single_accum_4"] = {}
@@ -82,21 +81,21 @@ def rows(warmup_updates: int = WARMUP_UPDATES) -> Dict[str, Optional[dict]]:
     table["diloco_64_int8"] = dict(diloco_64, sync_dtype="int8")
     table["diloco_64_int4"] = dict(diloco_64, sync_dtype="int4")
     table["diloco_64_int4_no_ef"] = dict(diloco_64, sync_dtype="int4", sync_error_feedback=False)
-    table["local_sgd_16_warmup"] = dict(table["local_sgd_16"], sync_warmup_steps=warmup_updates)
-    table["diloco_64_warmup"] = dict(diloco_64, sync_warmup_steps=warmup_updates)
-    table["diloco_64_warmup_half"] = dict(diloco_64, sync_warmup_steps=warmup_updates // 2)
+    table["local_sgd_16_warmup"] = dict(table["local_sgd_16"], sync_warmup_steps=WARMUP_UPDATES)
+    table["diloco_64_warmup"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES)
+    table["diloco_64_warmup_half"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES // 2)
     for outer_lr in (1.0, 1.4):
         table[f"diloco_64_lr{outer_lr}"] = dict(diloco_64, outer_optimizer=dict(RECOMMENDED, learning_rate=outer_lr))
     return table
 
 
-def command(name: str, options: Optional[dict], seed: int, extra: List[str], config: str = CONFIG) -> List[str]:
+def command(name: str, options: Optional[dict], seed: int, extra: List[str]) -> List[str]:
     """The command line of one row: plain RETURNN, or returnn-tpu with the row's strategy and options."""
     settings = ["++random_seed", str(seed), *extra, *(ACCUMULATE_4 if name.endswith("_accum_4") else [])]
     if options is None:
-        return [sys.executable, "-m", "returnn", config, *settings]
+        return [sys.executable, "-m", "returnn", CONFIG, *settings]
     strategy = "single" if name.startswith("single") else "mirrored" if name.startswith("sync") else "local_sgd"
-    return [sys.executable, "-m", "returnn_tpu.cli", config, *settings, "++distribute_strategy", strategy,
+    return [sys.executable, "-m", "returnn_tpu.cli", CONFIG, *settings, "++distribute_strategy", strategy,
             "++distribute_options", repr(options)]
 
 
