@@ -89,13 +89,14 @@ def rows() -> Dict[str, Optional[dict]]:
     return table
 
 
-def command(name: str, options: Optional[dict], seed: int, extra: List[str]) -> List[str]:
-    """The command line of one row: plain RETURNN, or returnn-tpu with the row's strategy and options."""
+def command(name: str, options: Optional[dict], seed: int, extra: List[str], config: str = CONFIG) -> List[str]:
+    """The command line of one row training ``config``: plain RETURNN, or returnn-tpu with the
+    row's strategy and options."""
     settings = ["++random_seed", str(seed), *extra, *(ACCUMULATE_4 if name.endswith("_accum_4") else [])]
     if options is None:
-        return [sys.executable, "-m", "returnn", CONFIG, *settings]
+        return [sys.executable, "-m", "returnn", config, *settings]
     strategy = "single" if name.startswith("single") else "mirrored" if name.startswith("sync") else "local_sgd"
-    return [sys.executable, "-m", "returnn_tpu.cli", CONFIG, *settings, "++distribute_strategy", strategy,
+    return [sys.executable, "-m", "returnn_tpu.cli", config, *settings, "++distribute_strategy", strategy,
             "++distribute_options", repr(options)]
 
 

@@ -171,6 +171,17 @@ def make(out: str, sizes: Dict[str, int], seed: int, brown: str = BROWN, process
     return stats, False
 
 
+def make_tiny(out: str, brown: str = BROWN) -> dict:
+    """The tests' corpus in ``out``: 12 train and 4 dev utterances (seed 1), spoken from the Brown
+    corpus if benchmarks/corpus.py prepared it, else from that script's own tiny text."""
+    if not os.path.exists(os.path.join(brown, "train.txt")):
+        from corpus import prepare, write_tiny_corpus  # noqa: the sibling script
+        brown = os.path.join(out, "brown")
+        write_tiny_corpus(os.path.join(brown, "tiny"))
+        prepare(os.path.join(brown, "tiny"), brown, 100)
+    return make(out, {"train": 12, "dev": 4}, 1, brown=brown)[0]
+
+
 def read_back(out: str, parts: List[str], num_seqs: int = 3) -> List[dict]:
     """Loads the first ``num_seqs`` of each part with RETURNN's OggZipDataset (the config's features)."""
     from returnn.datasets.audio import OggZipDataset
@@ -206,13 +217,9 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         args.out = tempfile.mkdtemp(prefix="speech_smoke_")
-        args.train, args.dev = 12, 4
-        if not os.path.exists(os.path.join(args.brown, "train.txt")):  # no Brown corpus: corpus.py's own tiny one
-            from corpus import prepare, write_tiny_corpus  # noqa: the sibling script
-            args.brown = os.path.join(args.out, "brown")
-            write_tiny_corpus(os.path.join(args.brown, "tiny"))
-            prepare(os.path.join(args.brown, "tiny"), args.brown, 100)
-    stats, reused = make(args.out, {"train": args.train, "dev": args.dev}, args.seed, brown=args.brown)
+        stats, reused = make_tiny(args.out, args.brown), False
+    else:
+        stats, reused = make(args.out, {"train": args.train, "dev": args.dev}, args.seed, brown=args.brown)
     print(f"{'reused' if reused else 'made'} {args.out} (seed {args.seed}): "
           f"{len(CHARACTERS)} characters in chars.vocab")
     for part in ("train", "dev"):
