@@ -20,6 +20,8 @@ are combined. Rows:
   ``diloco_64_int4`` and ``diloco_64_int4_no_ef`` (error feedback off);
 * ``..._warmup``: ``local_sgd_16`` and ``diloco_64`` after a synchronous warm-up of one
   sub-epoch (``sync_warmup_steps``, post-local SGD), and ``diloco_64_warmup_half`` after half of one;
+* ``..._ramp``: ``local_sgd_16`` and ``diloco_64`` with sync intervals that grow from 1 update to N
+  over the first sub-epoch (``param_sync_step_ramp``);
 * ``diloco_64_lr1.0`` and ``diloco_64_lr1.4``: the outer learning rate raised from 0.7 (momentum
   0.5): outer steps of 2x and 2.8x the replicas' mean change once the momentum has built up.
 
@@ -84,6 +86,8 @@ def rows() -> Dict[str, Optional[dict]]:
     table["local_sgd_16_warmup"] = dict(table["local_sgd_16"], sync_warmup_steps=WARMUP_UPDATES)
     table["diloco_64_warmup"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES)
     table["diloco_64_warmup_half"] = dict(diloco_64, sync_warmup_steps=WARMUP_UPDATES // 2)
+    table["local_sgd_16_ramp"] = dict(table["local_sgd_16"], param_sync_step_ramp=WARMUP_UPDATES)
+    table["diloco_64_ramp"] = dict(diloco_64, param_sync_step_ramp=WARMUP_UPDATES)
     for outer_lr in (1.0, 1.4):
         table[f"diloco_64_lr{outer_lr}"] = dict(diloco_64, outer_optimizer=dict(RECOMMENDED, learning_rate=outer_lr))
     return table

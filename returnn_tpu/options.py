@@ -29,7 +29,7 @@ DEFAULT_SYNC_MIX = 0.5  # Streaming DiLoCo's mixing factor (Douillard et al., 20
 # Options of local SGD's sync; any of them with another strategy is an error, not ignored.
 LOCAL_SGD_OPTIONS = ("param_sync_step", "param_sync_time_diff", "outer_optimizer", "optimizer_state_at_sync",
                      "sync_dtype", "local_param_sync_step", "sync_fragments", "sync_delay", "sync_mix",
-                     "sync_error_feedback", "sync_warmup_steps")
+                     "sync_error_feedback", "sync_warmup_steps", "param_sync_step_ramp")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -103,6 +103,9 @@ class DistributeOptions:
         synced model`` when a sync is applied (0: the synced model).
     :ivar sync_warmup_steps: post-local SGD: the first this many updates of the training are
         synchronous (the replicas' mean gradient, as ``mirrored``); local SGD starts after them.
+    :ivar param_sync_step_ramp: growing sync intervals: over this many updates (after any warm-up)
+        the interval between syncs grows linearly from 1 update to ``param_sync_step``
+        (:class:`returnn_tpu.strategies.sync.SyncSchedule`).
     :ivar local_param_sync_step: hierarchical averaging: the replicas of each worker average every
         this many steps, all workers every ``param_sync_step``.
     :ivar sync_fragments: streaming syncs: the parameters in this many fragments of about equal
@@ -141,6 +144,7 @@ class DistributeOptions:
     sync_mix: float = DEFAULT_SYNC_MIX
     sync_error_feedback: bool = True
     sync_warmup_steps: int = 0
+    param_sync_step_ramp: int = 0
     skip_nonfinite_steps: bool = False
     data_producer: str = "process"
     data_prefetch: int = 4
@@ -272,7 +276,7 @@ def _sync_options(strategy: str, options: Mapping[str, Any]) -> dict:
     step = options.get("param_sync_step", DEFAULT_PARAM_SYNC_STEP)
     if options.get("sync_warmup_steps") is not None:
         kwargs["sync_warmup_steps"] = _positive_int("sync_warmup_steps", options["sync_warmup_steps"])
-    for key in ("local_param_sync_step", "sync_fragments"):
+    for key in ("local_param_sync_step", "sync_fragments", "param_sync_step_ramp"):
         if options.get(key) is None:
             continue
         kwargs[key] = _positive_int(key, options[key])
@@ -287,6 +291,9 @@ def _sync_options(strategy: str, options: Mapping[str, Any]) -> dict:
             raise ConfigError("distribute_options['local_param_sync_step'] cannot be used with 'local_sgd_tpu' "
                               "(one TPU host is one worker); use 'local_sgd'")
     kwargs.update(_overlap_and_quantization(options, kwargs, step, time_based="param_sync_time_diff" in given))
+    if kwargs.get("param_sync_step_ramp") and kwargs.get("sync_delay"):
+        raise ConfigError("distribute_options['param_sync_step_ramp'] starts with a sync after every update, where "
+                          "no sync can overlap later updates; it cannot be used with sync_delay >= 1")
     fragments = kwargs.get("sync_fragments", 1)
     if fragments > step:
         raise ConfigError(f"distribute_options['sync_fragments'] must be at most param_sync_step ({step}), "
@@ -344,7 +351,8 @@ def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str =
     if unknown:
         raise ConfigError(f"{strategy_name} has no option {unknown[0]!r}; its options: {', '.join(valid)}")
     checked = DistributeOptions.from_config_values("local_sgd", options)
-    refused = [repr(key) for key in ("param_sync_time_diff", "local_param_sync_step", "sync_warmup_steps")
+    refused = [repr(key) for key in ("param_sync_time_diff", "local_param_sync_step", "sync_warmup_steps",
+                                     "param_sync_step_ramp")
                if options.get(key) is not None]
     if checked.optimizer_state_at_sync != "keep":
         refused.append(f"optimizer_state_at_sync {checked.optimizer_state_at_sync!r}")

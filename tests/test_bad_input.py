@@ -23,6 +23,8 @@ ROWS = [
     ('distribute_options = {"param_sync_step": -1}', [], {}, "param_sync_step'] must be an int >= 1"),
     ('distribute_options = {"param_sync_step": "5"}', [], {}, "param_sync_step'] must be an int >= 1"),
     ('distribute_options = {"sync_warmup_steps": 0}', [], {}, "sync_warmup_steps'] must be an int >= 1"),
+    ('distribute_options = {"param_sync_step": 8, "param_sync_step_ramp": 100, "sync_delay": 2}', [], {},
+     "param_sync_step_ramp'] starts with a sync after every update"),
     ('distribute_options = {"num_replicas": 0}', [], {}, "num_replicas'] must be an int >= 1"),
     ('distribute_options = {"param_sync_step": 4, "param_sync_time_diff": 10}', [], {}, "not both"),
     ('distribute_options = {"param_sync_time_diff": -2}', [], {}, "param_sync_time_diff'] must be a number"),

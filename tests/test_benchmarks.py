@@ -30,6 +30,7 @@ RUNS = {
     "relay.py": ["--smoke"],
     "slow_link.py": ["--smoke"],
     "speech_corpus.py": ["--smoke"],
+    "speech_quality.py": ["--smoke"],
     "startup.py": [TINY_CONFIG, "--smoke"],
     "time_to_quality.py": ["--smoke"],
     "xla.py": ["--smoke"],

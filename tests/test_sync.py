@@ -207,6 +207,27 @@ def test_schedule_warmup_counts_the_whole_training_then_starts_the_first_cycle()
     assert [resumed.step() for _ in range(3)] == [SyncDue(mean_gradient=True), None, SyncDue(fragments=(0,))]
 
 
+def test_schedule_ramp_grows_the_intervals_from_one_update_to_param_sync_step():
+    """``param_sync_step_ramp`` R: a cycle that starts u updates after the warm-up is
+    min(N, 1 + u * N // R) updates long; a resumed run continues the ramp where it stood."""
+    from returnn_tpu.strategies.sync import SyncDue, SyncSchedule
+
+    def sync_updates(schedule, updates):
+        return [u for u in range(1, updates + 1) if schedule.step() is not None]
+
+    ramp = SyncSchedule(4, ramp=8)
+    # cycles start after 0, 1, 2, 4, 7, 11 updates: lengths 1, 1, 2, 3, 4, 4
+    assert sync_updates(ramp, 15) == [1, 2, 4, 7, 11, 15]
+    after_warmup = SyncSchedule(4, ramp=8, warmup=2)
+    assert sync_updates(after_warmup, 17) == [1, 2, 3, 4, 6, 9, 13, 17]  # 1 and 2: the synchronous updates
+    fragments = SyncSchedule(4, ramp=8, fragments=2)
+    assert [fragments.step() for _ in range(4)] == [SyncDue(fragments=(0, 1)), SyncDue(fragments=(0, 1)),
+                                                   SyncDue(fragments=(0,)), SyncDue(fragments=(1,))]
+    resumed = SyncSchedule(4, ramp=8)
+    resumed.start_at(4)  # a checkpoint (always after a full sync) after 4 updates
+    assert [u + 4 for u in sync_updates(resumed, 11)] == [7, 11, 15]
+
+
 def test_local_syncs_in_the_trainer_leave_the_outer_state_alone(tmp_path):
     trainer = make_trainer(tmp_path, FEED_FORWARD, distribute_options={
         "param_sync_step": 6, "local_param_sync_step": 2, "outer_optimizer": DILOCO})

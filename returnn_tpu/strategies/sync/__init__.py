@@ -75,6 +75,7 @@ def make_syncs(options: DistributeOptions, strategy: tf.distribute.Strategy, *, 
         any_worker=any_worker,
         time_check_steps=1 if num_workers == 1 else 10,
         warmup=options.sync_warmup_steps,
+        ramp=options.param_sync_step_ramp,
     )
     syncs = OverlappedSyncs if options.sync_delay else LocalSGDSyncs
     return syncs(strategy, make_averaging(options, keep_synced_model=num_workers > 1), schedule,

@@ -224,6 +224,9 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
         if self.schedule.warmup:
             notes.append(f"the first {self.schedule.warmup} updates are synchronous (sync_warmup_steps); local SGD "
                          "starts after them")
+        if self.schedule.ramp:
+            notes.append(f"the interval between syncs grows from 1 to {self.schedule.param_sync_step} updates over "
+                         f"{self.schedule.ramp} updates (param_sync_step_ramp)")
         warning = self.averaging.start_warning(self.sync_steps)
         if warning:
             notes.append(f"warning: {warning}")

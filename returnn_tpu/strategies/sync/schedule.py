@@ -47,6 +47,11 @@ class SyncSchedule:
     and the first cycle starts after them; :meth:`start_at` tells the schedule how many updates a
     resumed run has already made.
 
+    With ``ramp`` R (growing intervals, as the increasing local updates of Haddadpour et al., 2019,
+    where early updates, far from a minimum, drift apart most), a cycle that starts u updates
+    after the warm-up is ``min(N, 1 + u * N // R)`` updates long: syncs every update at first,
+    every N from R updates on. Fragments divide each cycle as they divide N.
+
     Step counts agree between workers by construction; clocks do not, so with ``time_diff`` the
     workers decide together every ``time_check_steps`` steps (``any_worker``: one small
     collective): due as soon as one worker's time is up.
@@ -63,6 +68,7 @@ class SyncSchedule:
         any_worker: Callable[[bool], bool] = bool,
         time_check_steps: int = 1,
         warmup: int = 0,
+        ramp: int = 0,
     ):
         self.param_sync_step = param_sync_step
         self.time_diff = time_diff
@@ -72,10 +78,10 @@ class SyncSchedule:
         self.any_worker = any_worker
         self.time_check_steps = time_check_steps
         self.warmup = warmup
+        self.ramp = ramp
         self.updates = 0  # of the whole training (the warm-up counts them)
-        # The update of a cycle after which each fragment is synced (the last one ends the cycle).
-        self.fragment_ends = [round((i + 1) * param_sync_step / fragments) for i in range(fragments)]
         self.steps_since_sync = 0  # updates in the current cycle
+        self._start_cycle()
         self.last_sync_time = time.monotonic()
         self.in_flight: Tuple[int, ...] = ()  # the fragments of the sync started and not yet applied
         self.updates_in_flight = 0  # since it started
@@ -92,6 +98,16 @@ class SyncSchedule:
     def start_at(self, updates: int):
         """The run has made ``updates`` updates (a resumed run: those of its checkpoint)."""
         self.updates = updates
+        self._start_cycle()
+
+    def _start_cycle(self):
+        """The length of the cycle that starts now (``ramp``) and the update of it after which each
+        fragment is synced (the last one ends the cycle)."""
+        length = self.param_sync_step
+        if self.ramp:
+            length = min(length, 1 + max(0, self.updates - self.warmup) * length // self.ramp)
+        self.cycle_length = length
+        self.fragment_ends = [max(1, round((i + 1) * length / self.num_fragments)) for i in range(self.num_fragments)]
 
     def step(self) -> Optional[SyncDue]:
         """Counts one update; returns what is due after it (the same answer on every worker)."""
@@ -123,7 +139,7 @@ class SyncSchedule:
                 return self.all_fragments
             return None
         due = tuple(i for i, end in enumerate(self.fragment_ends) if end == self.steps_since_sync)
-        if self.steps_since_sync >= self.param_sync_step:
+        if self.steps_since_sync >= self.cycle_length:
             self.synced()
         if due:
             return SyncDue(fragments=due)
@@ -144,3 +160,4 @@ class SyncSchedule:
         """A full sync happened (the cycle ends or the epoch ends): the phase restarts."""
         self.steps_since_sync = 0
         self.last_sync_time = time.monotonic()
+        self._start_cycle()
