@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "benchmarks", "configs", "brown_lm.config")
@@ -241,31 +241,47 @@ def main():
         extra = ["++num_epochs", "1", "++batch_size", "200"]
     if not os.path.exists(os.path.join(args.corpus_dir, "vocab.chars.txt")):
         raise SystemExit(f"lm_quality.py: no prepared corpus in {args.corpus_dir}; run benchmarks/corpus.py first")
-    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     table_rows = rows()
     for name in names:
         if name not in table_rows:
             raise SystemExit(f"lm_quality.py: no row {name!r}; rows: {', '.join(table_rows)}")
-        for seed in range(1, (args.seeds if name in SEEDED_ROWS else 1) + 1):
-            done = os.path.join(args.out, "runs", f"{name}-seed{seed}.json")
-            if os.path.exists(done):
-                continue
-            result = run(name, table_rows[name], seed, os.path.abspath(args.corpus_dir),
-                         os.path.join(args.out, "work", f"{name}-seed{seed}"), extra)
-            with open(done, "w") as f:
-                json.dump(result, f, indent=1)
-            print(f"{name} seed {seed}: dev ppl {result['dev_ppl']:.3f}, test ppl {result['test_ppl']:.3f}, "
-                  f"{result['updates']} updates, {result['wall_seconds']:.0f} s", flush=True)
+    runs = [(name, seed) for name in names for seed in range(1, (args.seeds if name in SEEDED_ROWS else 1) + 1)]
+    results = run_rows(
+        args.out, runs,
+        lambda name, seed, folder: run(name, table_rows[name], seed, os.path.abspath(args.corpus_dir), folder, extra),
+        lambda r: f"dev ppl {r['dev_ppl']:.3f}, test ppl {r['test_ppl']:.3f}, {r['updates']} updates, "
+                  f"{r['wall_seconds']:.0f} s")
+    plots(results, args.out)
+    write_table(args.out, table(results))
+
+
+def run_rows(out: str, runs: List[Tuple[str, int]], train_one: Callable[[str, int, str], dict],
+             summary: Callable[[dict], str]) -> List[dict]:
+    """Trains each (row, seed) of ``runs`` that has no result in ``out``/runs yet
+    (``train_one(row, seed, work folder)``, printing ``summary(result)``), so that a second start
+    resumes; returns every result there, also written to ``out``/runs.json."""
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    for name, seed in runs:
+        done = os.path.join(out, "runs", f"{name}-seed{seed}.json")
+        if os.path.exists(done):
+            continue
+        result = train_one(name, seed, os.path.join(out, "work", f"{name}-seed{seed}"))
+        with open(done, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"{name} seed {seed}: {summary(result)}", flush=True)
     results = []
-    for path in sorted(glob.glob(os.path.join(args.out, "runs", "*.json"))):
+    for path in sorted(glob.glob(os.path.join(out, "runs", "*.json"))):
         with open(path) as f:
             results.append(json.load(f))
-    with open(os.path.join(args.out, "runs.json"), "w") as f:
+    with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(results, f, indent=1)
-    markdown = table(results)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
+    return results
+
+
+def write_table(out: str, markdown: str):
+    """``markdown`` into ``out``/table.md, and printed."""
+    with open(os.path.join(out, "table.md"), "w") as f:
         f.write(markdown)
-    plots(results, args.out)
     print(markdown)
 
 

@@ -31,8 +31,6 @@ of dev CER against updates.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 import tempfile
@@ -153,29 +151,14 @@ def main():
     unknown = [name for name in names if name not in table_rows]
     if unknown:
         raise SystemExit(f"speech_quality.py: no row {unknown[0]!r}; rows: {', '.join(table_rows)}")
-    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    for name in names:
-        for seed in range(1, args.seeds + 1):
-            done = os.path.join(args.out, "runs", f"{name}-seed{seed}.json")
-            if os.path.exists(done):
-                continue
-            result = run(name, table_rows[name], seed, os.path.abspath(args.corpus_dir),
-                         os.path.join(args.out, "work", f"{name}-seed{seed}"), extra)
-            with open(done, "w") as f:
-                json.dump(result, f, indent=1)
-            print(f"{name} seed {seed}: dev CER {100 * result['dev_cer']:.1f}%, CTC {result['dev_ctc']:.3f}, "
-                  f"{result['updates']} updates, {result['train_seconds']:.0f} s training", flush=True)
-    results = []
-    for path in sorted(glob.glob(os.path.join(args.out, "runs", "*.json"))):
-        with open(path) as f:
-            results.append(json.load(f))
-    with open(os.path.join(args.out, "runs.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    markdown = table(results)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(markdown)
+    runs = [(name, seed) for name in names for seed in range(1, args.seeds + 1)]
+    results = lm_quality.run_rows(
+        args.out, runs,
+        lambda name, seed, folder: run(name, table_rows[name], seed, os.path.abspath(args.corpus_dir), folder, extra),
+        lambda r: f"dev CER {100 * r['dev_cer']:.1f}%, CTC {r['dev_ctc']:.3f}, {r['updates']} updates, "
+                  f"{r['train_seconds']:.0f} s training")
     plot(results, args.out)
-    print(markdown)
+    lm_quality.write_table(args.out, table(results))
 
 
 if __name__ == "__main__":

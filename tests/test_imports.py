@@ -55,7 +55,7 @@ def test_only_the_strategies_know_what_kind_of_strategy_runs():
     """The trainer is one client of the strategies' surface (``make_strategy``, ``make_syncs``):
     outside strategies/, nothing asks whether a strategy is local SGD or runs its syncs in the
     step, and nothing reaches into the sync's modules."""
-    private = ("returnn_tpu.strategies.local_sgd.is_local_sgd", "returnn_tpu.strategies.local_sgd.updates_in_replica")
+    private = ("returnn_tpu.strategies.extended.is_local_sgd", "returnn_tpu.strategies.extended.updates_in_replica")
     offending = {}
     for relative in sources():
         if relative.startswith("strategies" + os.sep):

@@ -5,7 +5,7 @@ happens in a training step. The variables are ordinary ``MirroredVariable`` obje
 
 * :class:`TrainerLocalSGDStrategy` (the RETURNN trainer's): every reduction reduces as TensorFlow
   defines it; the package's optimizers apply each replica's gradient to its own copy
-  (:func:`is_local_sgd`), and the trainer's syncs (:func:`returnn_tpu.strategies.make_syncs`)
+  (:func:`returnn_tpu.strategies.extended.is_local_sgd`), and the trainer's syncs (:func:`returnn_tpu.strategies.make_syncs`)
   combine the copies.
 * :class:`LocalSGDStrategy` (a TF2 or Keras program's): its extended
   (:class:`ScheduledLocalSGDMixin`) gives TensorFlow's and Keras' own update path local-SGD
@@ -23,44 +23,8 @@ from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values as values_lib
 
 from returnn_tpu.strategies.devices import KEYS_PER_STRATEGY, own_collective_key_base
-
-
-class LocalSGDExtendedMixin:
-    """Marks an extended as local SGD, shared by the single-machine, multi-worker and TPU ones.
-
-    ``in_step_sync``: the whole step, update and sync, runs in replica context (TPUs run one
-    compiled program per step). The sync's all-reduce then sits inside a ``tf.cond``, which
-    ``merge_call`` cannot enter; without ``merge_call``, collectives still work and an update in
-    replica context goes to the replica's own copy.
-    """
-
-    in_step_sync = False
-
-    def _use_merge_call(self):
-        return not self.in_step_sync and super()._use_merge_call()
-
-    def gather_in_replica(self, value: tf.Tensor) -> tf.Tensor:
-        """In replica context: every replica's ``value`` (of the same shape), concatenated along
-        axis 0 in replica order. ``ReplicaContext.all_gather`` goes through ``merge_call``; the in-step
-        path on local devices has none, so this replica's collective launcher gathers, as
-        TensorFlow's own replica-context all-reduce does (FACTS.md, "Gathers without merge_call").
-        TPUs' replica context gathers without it."""
-        context = tf.distribute.get_replica_context()
-        launchers = getattr(self, "_collective_ops", None)
-        if self._use_merge_call() or launchers is None:
-            return context.all_gather(value, axis=0)
-        return launchers._launchers[context._replica_id].all_gather(value, axis=0)
-
-
-def is_local_sgd(strategy: tf.distribute.Strategy) -> bool:
-    """Whether the replicas of ``strategy`` keep their own parameters until a sync."""
-    return isinstance(strategy.extended, LocalSGDExtendedMixin)
-
-
-def updates_in_replica(strategy: tf.distribute.Strategy) -> bool:
-    """Whether the whole step, update and local-SGD sync included, runs in replica context (TPU
-    strategies, and ``local_sgd_tpu`` on local devices)."""
-    return isinstance(strategy, tf.distribute.TPUStrategy) or getattr(strategy.extended, "in_step_sync", False)
+from returnn_tpu.strategies.extended import LocalSGDExtendedMixin
+from returnn_tpu.strategies.sync import SyncSchedule, make_averaging, mean_over_all_replicas, split_into_fragments
 
 
 class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended):
@@ -101,7 +65,6 @@ class ScheduledLocalSGDMixin:
         """``options``: the checked :class:`returnn_tpu.options.DistributeOptions`;
         ``keep_synced_model``: keep the model of the last sync where the syncs do not need it
         (:meth:`synced_model`; several workers)."""
-        from returnn_tpu.strategies.sync import SyncSchedule, make_averaging
 
         self.param_sync_step = options.param_sync_step
         self.sync_delay = options.sync_delay
@@ -198,7 +161,6 @@ class ScheduledLocalSGDMixin:
     def _fragments(self):
         """``(index, its trainable variables: key -> variable)`` of each fragment that has any,
         split as the trainer splits (a model of fewer variables than fragments leaves some empty)."""
-        from returnn_tpu.strategies.sync import split_into_fragments
 
         sizes = {key: var.shape.num_elements() * var.dtype.size for key, var in self._synced_variables.items()}
         return [(index, {key: self._synced_variables[key] for key in keys})
@@ -219,7 +181,6 @@ class ScheduledLocalSGDMixin:
         super()._call_for_each_replica(fn, (), {})
 
     def _sync_fragment(self, variables: dict):
-        from returnn_tpu.strategies.sync import mean_over_all_replicas
 
         self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
             strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))

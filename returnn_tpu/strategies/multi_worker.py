@@ -27,7 +27,8 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as car
 from tensorflow.python.eager import context
 
 from returnn_tpu.strategies import startup_watchdog
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, ScheduledLocalSGDMixin
+from returnn_tpu.strategies.extended import LocalSGDExtendedMixin
+from returnn_tpu.strategies.local_sgd import ScheduledLocalSGDMixin
 
 
 def joined_cluster() -> bool:

@@ -25,7 +25,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import tpu_strategy, tpu_util
 
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.strategies.local_sgd import LocalSGDExtendedMixin, ScheduledLocalSGDMixin, when
+from returnn_tpu.strategies.extended import LocalSGDExtendedMixin
+from returnn_tpu.strategies.local_sgd import ScheduledLocalSGDMixin, when
 
 
 def find_tpu(strategy_name: str, tpu: Optional[str] = None):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from returnn_tpu.options import DistributeOptions
-from returnn_tpu.strategies.local_sgd import is_local_sgd, updates_in_replica
+from returnn_tpu.strategies.extended import is_local_sgd, updates_in_replica
 from returnn_tpu.strategies.sync.averaging import ParameterAveraging, mean_over_all_replicas, mean_within_groups
 from returnn_tpu.strategies.sync.diloco import DiLoCoAveraging
 from returnn_tpu.strategies.sync.fragments import split_into_fragments
