@@ -5,8 +5,8 @@ happens in a training step. The variables are ordinary ``MirroredVariable`` obje
 
 * :class:`TrainerLocalSGDStrategy` (the RETURNN trainer's): every reduction reduces as TensorFlow
   defines it; the package's optimizers apply each replica's gradient to its own copy
-  (:func:`returnn_tpu.strategies.extended.is_local_sgd`), and the trainer's syncs (:func:`returnn_tpu.strategies.make_syncs`)
-  combine the copies.
+  (:func:`returnn_tpu.strategies.extended.is_local_sgd`), and the trainer's syncs
+  (:func:`returnn_tpu.strategies.make_syncs`) combine the copies.
 * :class:`LocalSGDStrategy` (a TF2 or Keras program's): its extended
   (:class:`ScheduledLocalSGDMixin`) gives TensorFlow's and Keras' own update path local-SGD
   semantics, decides when to sync and combines the copies; :class:`SyncCallback` combines them
@@ -65,7 +65,6 @@ class ScheduledLocalSGDMixin:
         """``options``: the checked :class:`returnn_tpu.options.DistributeOptions`;
         ``keep_synced_model``: keep the model of the last sync where the syncs do not need it
         (:meth:`synced_model`; several workers)."""
-
         self.param_sync_step = options.param_sync_step
         self.sync_delay = options.sync_delay
         self.averaging = make_averaging(options, keep_synced_model=keep_synced_model)
@@ -161,7 +160,6 @@ class ScheduledLocalSGDMixin:
     def _fragments(self):
         """``(index, its trainable variables: key -> variable)`` of each fragment that has any,
         split as the trainer splits (a model of fewer variables than fragments leaves some empty)."""
-
         sizes = {key: var.shape.num_elements() * var.dtype.size for key, var in self._synced_variables.items()}
         return [(index, {key: self._synced_variables[key] for key in keys})
                 for index, keys in enumerate(split_into_fragments(sizes, len(self._fragment_ends))) if keys]
@@ -181,7 +179,6 @@ class ScheduledLocalSGDMixin:
         super()._call_for_each_replica(fn, (), {})
 
     def _sync_fragment(self, variables: dict):
-
         self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
             strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))
         self._count_sync(variables)
