@@ -23,7 +23,9 @@ are combined. Rows:
 * ``..._ramp``: ``local_sgd_16`` and ``diloco_64`` with sync intervals that grow from 1 update to N
   over the first sub-epoch (``param_sync_step_ramp``);
 * ``diloco_64_lr1.0`` and ``diloco_64_lr1.4``: the outer learning rate raised from 0.7 (momentum
-  0.5): outer steps of 2x and 2.8x the replicas' mean change once the momentum has built up.
+  0.5): outer steps of 2x and 2.8x the replicas' mean change once the momentum has built up;
+* ``slowmo_64``: SlowMo's outer step (learning rate 1.0, momentum 0.5) at N = 64, which follows
+  the inner learning rate: newbob's cuts shrink the outer step and rescale its momentum.
 
 ``sync_4``, ``diloco_64`` and ``diloco_64_int4`` run with 3 seeds (``random_seed``: the
 initialization), the others with 1. For each run: dev and test perplexity per character (the
@@ -90,6 +92,7 @@ def rows() -> Dict[str, Optional[dict]]:
     table["diloco_64_ramp"] = dict(diloco_64, param_sync_step_ramp=WARMUP_UPDATES)
     for outer_lr in (1.0, 1.4):
         table[f"diloco_64_lr{outer_lr}"] = dict(diloco_64, outer_optimizer=dict(RECOMMENDED, learning_rate=outer_lr))
+    table["slowmo_64"] = dict(diloco_64, outer_optimizer={"class": "slowmo", "learning_rate": 1.0, "momentum": 0.5})
     return table
 
 
