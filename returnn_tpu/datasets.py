@@ -19,6 +19,10 @@ from typing import Optional
 from returnn_tpu.errors import ConfigError, refused_by_returnn
 
 SEED_OFFSET_PER_REPLICA = 16127  # RETURNN's factor per Horovod rank
+LOADER_BUFFER_SEQS = 32  # sequences each loader process reads ahead (MultiProcDataset's buffer_size)
+# Datasets that data_loaders leaves as they are: one that is a MultiProcDataset already, and
+# DistributeFilesDataset, which loads each sub-epoch in a process of its own (one per instance).
+LOADS_IN_PROCESSES = ("MultiProcDataset", "DistributeFilesDataset")
 
 
 def init_seq_order(dataset, epoch: int):
@@ -51,7 +55,7 @@ def shards_files(config, key: str = "train") -> bool:
 
 
 def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 0, distribution: str = "shard",
-                  all_replicas: Optional[int] = None) -> list:
+                  all_replicas: Optional[int] = None, loaders: int = 1) -> list:
     """The RETURNN dataset(s) that config key ``key`` (``"train"``, ``"dev"``) describes.
 
     Options are completed as RETURNN's ``rnn.py`` does (``chunking``, ``batching``, ``window``
@@ -60,7 +64,9 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
     A ``train`` that shards its files (:func:`shards_files`) has one instance per local replica,
     each with its shard of ``all_replicas`` (default: ``first_replica + num_replicas``), as
     RETURNN's PyTorch engine gives each rank its shard (``_num_shards``, ``_shard_index``).
-    Returns [] if the config has no such key.
+    With ``loaders`` > 1, each instance is wrapped in RETURNN's ``MultiProcDataset`` with
+    ``loaders // instances`` processes (at least one), as a config that wraps its dataset itself
+    would be (:func:`with_loaders`). Returns [] if the config has no such key.
     """
     from returnn.datasets import Dataset
 
@@ -88,9 +94,25 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
         kwargs = {**defaults, "random_seed_offset": offset, **opts}
         if sharded:  # as RETURNN's "shard" over torch ranks, with a replica as the rank
             kwargs.update(distrib_shard_files=False, _num_shards=all_replicas or replicas.stop, _shard_index=replica)
+        if loaders > 1:
+            kwargs = with_loaders(kwargs, max(1, loaders // len(offsets)))
         Dataset.kwargs_update_from_config(config, kwargs)
         datasets.append(_init_dataset(key, kwargs))
     return datasets
+
+
+def with_loaders(kwargs: dict, loaders: int) -> dict:
+    """The options of a RETURNN ``MultiProcDataset`` that loads the dataset of ``kwargs`` in
+    ``loaders`` processes of its own (``distribute_options['data_loaders']``): the same sequences in
+    the same order, each made by one of them in turn (FACTS.md, "MultiProcDataset"). The config's
+    batching options are added to it afterwards, as RETURNN adds them to a config's own
+    ``MultiProcDataset``, which hands them on to the dataset it wraps. A dataset that already
+    loads in processes of its own (:data:`LOADS_IN_PROCESSES`) is returned as it is."""
+    kind = kwargs.get("class")
+    if getattr(kind, "__name__", kind) in LOADS_IN_PROCESSES:
+        return kwargs
+    return {"class": "MultiProcDataset", "name": kwargs["name"], "dataset": kwargs, "num_workers": loaders,
+            "buffer_size": LOADER_BUFFER_SEQS}
 
 
 def _init_dataset(key: str, opts, defaults: Optional[dict] = None):

@@ -24,6 +24,18 @@ from returnn_tpu.producer import DataProducer, RemoteProducer
 from returnn_tpu.producer_serving import ServeOptions
 
 AHEAD_STEPS = 16  # with several workers: how many steps each makes ahead (what one agreement can cover)
+CORES_KEPT = 2  # of the machine's cores, the training loop's and the producer's (data_loaders' default)
+
+
+def default_data_loaders(replicas: int, accelerators: bool, cores: Optional[int] = None) -> int:
+    """How many processes load the training sequences of a producer that feeds ``replicas`` when
+    ``data_loaders`` is not set: one per replica, as many as the cores left once the training loop
+    and the producer have one each (``cores``: those this process may use); 1 (the producer alone)
+    when the replicas are CPU devices, whose steps use the cores themselves."""
+    if not accelerators:
+        return 1
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, min(replicas, cores - CORES_KEPT))
 
 
 class TrainEpoch:
@@ -109,11 +121,13 @@ class EpochData:
     (where an epoch ends; the producer's address). ``config_source`` (the config file and its
     ``++`` overrides) lets a producer process load the same config; without it the data is read on
     a thread of this process. Call :meth:`use_network` before the first epoch, and again when the
-    network (its ``extern_data``) or the batching options change.
+    network (its ``extern_data``) or the batching options change. ``accelerators``: the replicas
+    run on GPUs or TPUs, not CPU devices (for :func:`default_data_loaders`).
     """
 
     def __init__(self, config, options, cluster, workers, *, num_replicas: int, local_replicas: int,
-                 first_replica: int, config_source: Optional[Tuple[str, List[str]]] = None):
+                 first_replica: int, config_source: Optional[Tuple[str, List[str]]] = None,
+                 accelerators: bool = False):
         self.config = config
         self.options = options
         self.cluster = cluster
@@ -123,6 +137,8 @@ class EpochData:
         self.first_replica = first_replica
         # One producer serves all workers: it makes the batches of all replicas.
         self.shared_producer = options.data_producer == "chief" and cluster.num_workers > 1
+        fed = num_replicas if self.shared_producer else local_replicas  # the replicas this worker's batches are for
+        self.loaders = options.data_loaders or default_data_loaders(fed, accelerators)
         self.producer = self._start_producer(config_source) if config_source else None  # works while the rest is set up
         # With a producer, it reads the training data; one instance here, for the checks only (the
         # dataset's own order, the same on every worker; files dealt: the first replica's shard).
@@ -130,7 +146,8 @@ class EpochData:
             self.train_datasets = init_datasets(config, "train", 1, first_replica, "shard", all_replicas=num_replicas)
         else:
             self.train_datasets = init_datasets(config, "train", local_replicas, first_replica,
-                                                options.dataset_distribution, all_replicas=num_replicas)
+                                                options.dataset_distribution, all_replicas=num_replicas,
+                                                loaders=self.loaders)
         self.dev_datasets = init_eval_datasets(config)
         self.extern_data, self.data_keys, self.recurrent = None, [], False
         self.bucket_boundaries: Optional[List[int]] = None
@@ -144,7 +161,7 @@ class EpochData:
         if self.options.data_producer == "thread":
             return None
         common = dict(dataset_key="train", distribution=self.options.dataset_distribution,
-                      prefetch=self.options.data_prefetch, all_replicas=self.num_replicas)
+                      prefetch=self.options.data_prefetch, all_replicas=self.num_replicas, loaders=self.loaders)
         if not self.shared_producer:
             return DataProducer(*config_source, num_replicas=self.local_replicas,
                                 first_replica=self.first_replica, **common)
@@ -162,7 +179,13 @@ class EpochData:
         return RemoteProducer((host, int(port)), numpy.array(key, numpy.uint32).tobytes(), self.cluster.worker_index)
 
     def start_notes(self) -> List[str]:
-        """What an epoch is with several replicas, for the log before the first step."""
+        """What an epoch is with several replicas, and who loads the training data, for the log
+        before the first step."""
+        return self._epoch_notes() + ([
+            f"the training sequences are loaded by {self.loaders} processes (distribute_options['data_loaders']; "
+            "RETURNN's MultiProcDataset around the train dataset, in its order)"] if self.loaders > 1 else [])
+
+    def _epoch_notes(self) -> List[str]:
         replicas = self.num_replicas
         if replicas > 1 and shards_files(self.config):
             return [f"the training files are dealt to the {replicas} replicas (distrib_shard_files): each walks its own "

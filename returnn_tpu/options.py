@@ -117,6 +117,9 @@ class DistributeOptions:
         that serves all workers over TCP (the dataset is read once per epoch across the
         cluster), or ``"thread"``, a thread of the training process.
     :ivar data_prefetch: how many steps' batches are read ahead of training.
+    :ivar data_loaders: processes that load the training sequences for a producer (RETURNN's
+        ``MultiProcDataset`` around each of its datasets), for datasets that cost CPU per
+        sequence (``OggZipDataset``'s feature extraction). None: :func:`default_data_loaders`.
     :ivar time_limit: the job's run-time limit in seconds from the start of the process (SGE's
         ``-l h_rt``, SLURM's ``--time``; also as ``"H:MM:SS"``). ``stop_before_time_limit``
         seconds before it, training stops at a step boundary with an interrupted checkpoint and
@@ -148,6 +151,7 @@ class DistributeOptions:
     skip_nonfinite_steps: bool = False
     data_producer: str = "process"
     data_prefetch: int = 4
+    data_loaders: Optional[int] = None
     time_limit: Optional[float] = None
     stop_before_time_limit: float = 300.0
 
@@ -204,6 +208,8 @@ class DistributeOptions:
             kwargs["data_producer"] = _one_of("data_producer", options["data_producer"], DATA_PRODUCERS)
         if "data_prefetch" in options:
             kwargs["data_prefetch"] = _positive_int("data_prefetch", options["data_prefetch"])
+        if options.get("data_loaders") is not None:
+            kwargs["data_loaders"] = _positive_int("data_loaders", options["data_loaders"])
         if options.get("time_limit") is not None:
             kwargs["time_limit"] = _seconds("time_limit", options["time_limit"])
         if "stop_before_time_limit" in options:

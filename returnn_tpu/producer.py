@@ -69,11 +69,13 @@ def _is_stopped(pid: int) -> bool:
 
 class DataProducer:
     """One producer process for the training dataset of ``config_filename`` (with
-    ``overrides``); created once per worker, ended by :meth:`close` or with the trainer's process."""
+    ``overrides``); created once per worker, ended by :meth:`close` or with the trainer's process.
+    With ``loaders`` > 1 its datasets load their sequences in that many processes of their own
+    (:func:`returnn_tpu.datasets.with_loaders`), which end with it."""
 
     def __init__(self, config_filename: str, overrides: Sequence[str], *, dataset_key: str, num_replicas: int,
                  first_replica: int, distribution: str, prefetch: int, all_replicas: Optional[int] = None,
-                 serve: Optional["ServeOptions"] = None):
+                 serve: Optional["ServeOptions"] = None, loaders: int = 1):
         remove_stale_blocks()
         context = multiprocessing.get_context("spawn")  # no fork of a process that runs TensorFlow
         self._commands, commands_end = context.Pipe()
@@ -88,7 +90,7 @@ class DataProducer:
                               "distribute_options['data_producer'] = 'thread'") from None
         setup = dict(config_filename=config_filename, overrides=list(overrides), dataset_key=dataset_key,
                      num_replicas=num_replicas, first_replica=first_replica, distribution=distribution,
-                     all_replicas=all_replicas, serve=serve)
+                     all_replicas=all_replicas, serve=serve, loaders=loaders)
         # Not daemonic: a dataset may start processes of its own (DistributeFilesDataset's sub-epoch
         # workers), which a daemonic process may not. close() ends it, also at exit: registered
         # after multiprocessing's own exit handler, it runs before it (which would join the producer).

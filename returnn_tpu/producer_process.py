@@ -42,7 +42,11 @@ def run_producer(setup: dict, commands, results):
         while True:
             kind, payload = commands.recv()  # closed by the trainer: EOFError
             if kind == "epoch":
-                _produce_epoch(epochs, payload, commands, results, workers)
+                try:
+                    _produce_epoch(epochs, payload, commands, results, workers)
+                except (EOFError, OSError):  # the trainer's pipe closed, or a loader's (it died)
+                    epochs.check_loaders()
+                    raise
     except (EOFError, KeyboardInterrupt):
         return  # the trainer is gone
     except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
@@ -50,6 +54,8 @@ def run_producer(setup: dict, commands, results):
 
         if isinstance(exc, ConfigError):  # bad input: the trainer reports it as its own
             error = ("error", str(exc), True)
+        elif isinstance(exc, ProducerError):  # its own words
+            error = ("error", str(exc), False)
         else:
             lines = traceback.format_exception_only(type(exc), exc)
             error = ("error", lines[-1].strip() if lines else type(exc).__name__, False)
@@ -75,7 +81,17 @@ class _EpochMaker:
 
         config = load_config(setup["config_filename"], setup["overrides"])
         self.datasets = init_datasets(config, setup["dataset_key"], setup["num_replicas"], setup["first_replica"],
-                                      setup["distribution"], all_replicas=setup["all_replicas"])
+                                      setup["distribution"], all_replicas=setup["all_replicas"],
+                                      loaders=setup["loaders"])
+
+    def check_loaders(self):
+        """Raises a :class:`ProducerError` naming a loader process of ``data_loaders`` that has
+        died (RETURNN's ``MultiProcDataset`` sees only its pipe close: FACTS.md, "MultiProcDataset")."""
+        for dataset in self.datasets:
+            for loader in getattr(dataset, "_worker_procs", None) or ():
+                if not loader.is_alive():
+                    raise ProducerError(f"its data loader process {loader.pid} ({loader.name}) died (exit status "
+                                        f"{loader.exitcode})") from None
 
     def start(self, request: dict):
         """The EpochBatches of ``request`` (its epoch started: RETURNN's ``init_seq_order``)."""

@@ -72,7 +72,9 @@ class Trainer:
         self.batches_trained = 0
         self.data = EpochData(config, options, self.cluster, self.workers,
                               num_replicas=self.strategy.num_replicas_in_sync, local_replicas=self.workers.local_replicas, first_replica=self.workers.first_replica,
-                              config_source=config_source)
+                              config_source=config_source,
+                              accelerators=any("CPU" not in device.upper()
+                                               for device in self.strategy.extended.worker_devices))
         if options.jit_compile:
             xla.prepare_config(config)
         self.network = CurrentNetwork(

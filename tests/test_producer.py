@@ -55,9 +55,13 @@ def _in_process(config, extern_data, distribution, request):
     return list(EpochBatches(datasets, extern_data=extern_data, **request))
 
 
-@pytest.mark.parametrize("distribution,buckets", [("shard", None), ("random_seed_offset", None), ("shard", [50, 100, 300])],
-                         ids=["shard", "random_seed_offset", "shard_buckets"])
-def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distribution, buckets):
+@pytest.mark.parametrize("distribution,buckets,loaders", [
+    ("shard", None, 1), ("random_seed_offset", None, 1), ("shard", [50, 100, 300], 1),
+    ("shard", None, 3), ("random_seed_offset", None, 4)],
+    ids=["shard", "random_seed_offset", "shard_buckets", "shard_3_loaders", "random_seed_offset_4_loaders"])
+def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distribution, buckets, loaders):
+    """Also with ``data_loaders``: RETURNN's MultiProcDataset loading the sequences in 3 processes
+    (one dataset), or in 2 for each replica's copy, gives today's batches."""
     from returnn_tpu.batching import BatchingOptions, BucketBatching
     from returnn_tpu.producer import DataProducer
 
@@ -65,7 +69,7 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
     batching = BucketBatching(config, buckets, "data") if buckets else BatchingOptions(config)
     shard = distribution == "shard"
     producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution=distribution,
-                            prefetch=2)
+                            prefetch=2, loaders=loaders)
     # The queue's semaphores are named (a spawned child opens them by name) until the producer
     # runs; then the names go, so that no SIGKILL can leave them in /dev/shm.
     names = [lock._semlock.name for lock in (producer._results._rlock, producer._results._wlock,
@@ -93,8 +97,37 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
             assert not _blocks_of(producer)  # every step's block was freed when it was taken (before close)
         with open(f"/proc/{producer.pid}/maps") as maps:  # its memory is the data's, not TensorFlow's
             assert "libtensorflow" not in maps.read()
+        loader_pids = _spawned_children(producer.pid)
+        assert len(loader_pids) == (loaders if loaders > 1 else 0), loader_pids
     finally:
         producer.close()
+    assert not _running(loader_pids, within=10)  # they end with the producer (killed by close)
+
+
+def _spawned_children(pid: int) -> list:
+    """The pids of the processes that process ``pid`` spawned with multiprocessing (Linux): a
+    MultiProcDataset's loaders, not multiprocessing's resource tracker."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(child) for child in f.read().split()]
+    return [child for child in children if b"spawn_main" in _cmdline(child)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _running(pids: list, within: float) -> list:
+    """Those of ``pids`` still running after up to ``within`` seconds."""
+    deadline = time.time() + within
+    while True:
+        running = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and b"spawn_main" in _cmdline(pid)]
+        if not running or time.time() > deadline:
+            return running
+        time.sleep(0.2)
 
 
 def _blocks_of(producer):
@@ -142,6 +175,47 @@ def test_a_failing_producer_stops_training_with_its_error(tmp_path):
     assert len(errors) == 1 and "failed: ValueError: corrupt feature file for sequence 25" in errors[0], \
         result.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "model.001.index")
+
+
+def test_a_killed_data_loader_stops_training_in_one_line_and_leaves_nothing(tmp_path):
+    """``data_loaders = 2`` (RETURNN's MultiProcDataset in the producer): a loader process killed
+    at its 10th sequence ends training with one line naming it (exit status 1, the epoch not
+    saved), and no process or shared memory block of the run is left."""
+    config = producer_config(num_seqs=400, map_seq=(
+        'import multiprocessing, os, signal\n'
+        '_calls = []\n'
+        'def _map_seq(data, **_):\n'
+        '    _calls.append(1)\n'
+        '    if len(_calls) == 10 and "worker proc 2/2" in multiprocessing.current_process().name:\n'
+        '        os.kill(os.getpid(), signal.SIGKILL)\n'
+        '    return data\n'))
+    (tmp_path / "train.config").write_text(config)
+    result = run_cli(["train.config", "++distribute_options", "{'data_loaders': 2}"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    named = re.search(r"data producer \(pid (\d+)\) failed: its data loader process \d+ \(train worker proc 2/2\) "
+                      r"died \(exit status -9\)$", errors[0])
+    assert named, errors
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "model.001.index")
+    deadline = time.time() + 10
+    while _processes_in(tmp_path) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _processes_in(tmp_path)  # the producer and the other loader (all started in tmp_path)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"{BLOCK_PREFIX}{named[1]}_")]
+
+
+def _processes_in(folder) -> list:
+    """The pids of the running processes whose working directory is ``folder``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(folder) and _cmdline(int(pid)):  # not a zombie
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 def test_a_dataset_slower_than_training_is_named_in_the_log(tmp_path):
