@@ -94,11 +94,18 @@ def init_datasets(config, key: str, num_replicas: int = 1, first_replica: int = 
         kwargs = {**defaults, "random_seed_offset": offset, **opts}
         if sharded:  # as RETURNN's "shard" over torch ranks, with a replica as the rank
             kwargs.update(distrib_shard_files=False, _num_shards=all_replicas or replicas.stop, _shard_index=replica)
-        if loaders > 1:
+        if loaders > 1:  # (else the dataset loads in the producer itself)
             kwargs = with_loaders(kwargs, max(1, loaders // len(offsets)))
         Dataset.kwargs_update_from_config(config, kwargs)
         datasets.append(_init_dataset(key, kwargs))
     return datasets
+
+
+def loads_in_processes(opts) -> bool:
+    """Whether the dataset of ``opts`` (a config's dataset options) loads its sequences in
+    processes of its own already (:data:`LOADS_IN_PROCESSES`)."""
+    kind = opts.get("class") if isinstance(opts, dict) else None
+    return getattr(kind, "__name__", kind) in LOADS_IN_PROCESSES
 
 
 def with_loaders(kwargs: dict, loaders: int) -> dict:
@@ -108,8 +115,7 @@ def with_loaders(kwargs: dict, loaders: int) -> dict:
     batching options are added to it afterwards, as RETURNN adds them to a config's own
     ``MultiProcDataset``, which hands them on to the dataset it wraps. A dataset that already
     loads in processes of its own (:data:`LOADS_IN_PROCESSES`) is returned as it is."""
-    kind = kwargs.get("class")
-    if getattr(kind, "__name__", kind) in LOADS_IN_PROCESSES:
+    if loads_in_processes(kwargs):
         return kwargs
     return {"class": "MultiProcDataset", "name": kwargs["name"], "dataset": kwargs, "num_workers": loaders,
             "buffer_size": LOADER_BUFFER_SEQS}

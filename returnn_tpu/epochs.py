@@ -18,7 +18,7 @@ import numpy
 
 from returnn_tpu.batching import BatchingOptions, BucketBatching, default_bucket_boundaries, size_key, template_shapes
 from returnn_tpu.data import EpochBatches, ReadAhead
-from returnn_tpu.datasets import init_datasets, init_eval_datasets, init_seq_order, shards_files
+from returnn_tpu.datasets import init_datasets, init_eval_datasets, init_seq_order, loads_in_processes, shards_files
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.producer import DataProducer, RemoteProducer
 from returnn_tpu.producer_serving import ServeOptions
@@ -181,9 +181,10 @@ class EpochData:
     def start_notes(self) -> List[str]:
         """What an epoch is with several replicas, and who loads the training data, for the log
         before the first step."""
+        wrapped = self.loaders > 1 and not loads_in_processes(self.config.typed_value("train", None))
         return self._epoch_notes() + ([
             f"the training sequences are loaded by {self.loaders} processes (distribute_options['data_loaders']; "
-            "RETURNN's MultiProcDataset around the train dataset, in its order)"] if self.loaders > 1 else [])
+            "RETURNN's MultiProcDataset around the train dataset, in its order)"] if wrapped else [])
 
     def _epoch_notes(self) -> List[str]:
         replicas = self.num_replicas

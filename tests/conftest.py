@@ -143,3 +143,15 @@ def run_cli(args, cwd, timeout=600, env=None):
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(scope="session")
+def speech_corpus_dir(tmp_path_factory):
+    """benchmarks/speech_corpus.py's tiny corpus: 12 train and 4 dev utterances of espeak-ng speech
+    in OggZipDataset's zips (made once per test process)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import speech_corpus
+
+    folder = tmp_path_factory.mktemp("speech")
+    speech_corpus.make_tiny(str(folder))
+    return str(folder)

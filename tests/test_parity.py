@@ -36,10 +36,12 @@ def write_hdf(path, num_seqs=30, seed=1):
 
 
 @pytest.fixture
-def env(tmp_path):
+def env(tmp_path, request):
+    """The configs' data files: an HDF file, and for the speech config the tiny espeak-ng corpus."""
     hdf = tmp_path / "data.hdf"
     write_hdf(hdf)
-    return {"PARITY_HDF": str(hdf)}
+    speech = {"PARITY_SPEECH": request.getfixturevalue("speech_corpus_dir")} if "ogg_zip" in request.node.name else {}
+    return {"PARITY_HDF": str(hdf), **speech}
 
 
 def test_there_are_enough_configs():

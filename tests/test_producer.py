@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import Code, config_12ax, run_cli
+from conftest import REPO, Code, config_12ax, run_cli
 from returnn_tpu.producer_blocks import BLOCK_PREFIX, remove_stale_blocks
 
 
@@ -130,6 +130,56 @@ def _running(pids: list, within: float) -> list:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("distribution", ["shard", "random_seed_offset"])
+def test_data_loaders_give_one_producers_speech_batches_also_resumed(tmp_path, monkeypatch, speech_corpus_dir,
+                                                                     distribution):
+    """The speech benchmark's ``OggZipDataset`` (MFCCs from ``ExtractAudioFeatures``, ``laplace``
+    order, 2 sub-epochs) read by 2 loader processes per dataset: the producer's batches are those
+    made in this process without loaders, bit for bit, for a whole sub-epoch and for the next one
+    continued at step 2 (a resume), which starts without the loaders being started again."""
+    from returnn_tpu.batching import BatchingOptions
+    from returnn_tpu.data import EpochBatches
+    from returnn_tpu.datasets import init_datasets
+    from returnn_tpu.network_inputs import extern_data_template
+    from returnn_tpu.producer import DataProducer
+    from returnn_tpu.startup import load_config
+
+    monkeypatch.setenv("SPEECH_CORPUS", speech_corpus_dir)
+    monkeypatch.setenv("SPEECH_PARTITION_EPOCH", "2")
+    path = os.path.join(REPO, "benchmarks", "configs", "speech_ctc.config")
+    overrides = ["++batch_size", "700", "++max_seqs", "2"]
+    config = load_config(path, overrides)
+    extern_data = extern_data_template(config)
+    batching = BatchingOptions(config)
+    shard = distribution == "shard"
+    loaders = 2 * (1 if shard else 2)
+    producer = DataProducer(path, overrides, dataset_key="train", num_replicas=2, first_replica=0,
+                            distribution=distribution, prefetch=2, loaders=loaders)
+    try:
+        for epoch, first_step in ((1, 0), (2, 2)):
+            request = dict(epoch=epoch, batching=batching, data_keys=["classes", "data"], recurrent=True, train=True,
+                           slots=range(2) if shard else None, num_slots=2 if shard else None, pad_last=False)
+            in_process = EpochBatches(init_datasets(config, "train", 2, 0, distribution), extern_data=extern_data,
+                                      **request)
+            in_process.start_at(first_step)
+            expected = list(in_process)
+            produced_epoch = producer.epoch(**request, templates=_templates(extern_data))
+            produced_epoch.start_at(first_step)
+            produced = list(produced_epoch.steps())
+            assert len(expected) >= 1 and len(produced) == len(expected)
+            for (ours, our_weights), (theirs, their_weights) in zip(produced, expected):
+                assert our_weights == their_weights and len(ours) == len(theirs) == 2
+                for our_batch, their_batch in zip(ours, theirs):
+                    _assert_same_batches(our_batch, their_batch)
+            if epoch == 1:
+                loader_pids = _spawned_children(producer.pid)
+                assert len(loader_pids) == loaders, loader_pids
+        assert _spawned_children(producer.pid) == loader_pids
+    finally:
+        producer.close()
+    assert not _running(loader_pids, within=10)
+
+
 def _blocks_of(producer):
     """The shared memory blocks the producer made that are still there."""
     return [name for name in os.listdir("/dev/shm") if name.startswith(f"returnn_tpu_{producer.pid}_")]
@@ -216,6 +266,33 @@ def _processes_in(folder) -> list:
         except OSError:
             pass
     return found
+
+
+@pytest.mark.slow
+def test_speech_trains_with_data_loaders_through_the_producer(tmp_path, speech_corpus_dir):
+    """tests/configs' OggZipDataset config, as its MultiProcDataset (2 processes) and unwrapped, each
+    trained by local SGD on 2 replicas through the producer with ``data_loaders = 2``: the
+    unwrapped dataset gets 2 loaders (the log says so), the wrapped one is not wrapped again, and
+    both train their sub-epoch with the same batches (the same steps and train score)."""
+    from parity import CONFIGS
+
+    config = (open(os.path.join(CONFIGS, "ogg_zip_multi_proc_ctc.config")).read())
+    (tmp_path / "wrapped.config").write_text(config)
+    (tmp_path / "unwrapped.config").write_text(config + '\ntrain = train["dataset"]  # OggZipDataset alone\n')
+    scores = {}
+    for name in ("wrapped", "unwrapped"):
+        result = run_cli([f"{name}.config", "++model", f"{name}/model", "++learning_rate_file", f"{name}/lr",
+                          "++log_verbosity", "4", "++distribute_strategy", "local_sgd", "++distribute_options",
+                          "{'num_replicas': 2, 'param_sync_step': 2, 'data_loaders': 2}"], cwd=tmp_path,
+                         env={"PARITY_SPEECH": speech_corpus_dir})
+        assert result.returncode == 0, result.stderr[-3000:]
+        noted = "the training sequences are loaded by 2 processes (distribute_options['data_loaders']" in result.stdout
+        assert noted == (name == "unwrapped"), result.stdout[-3000:]
+        assert os.path.exists(tmp_path / name / "model.001.index")
+        scores[name] = {key: value for key, value in re.findall(r"'([^']+)': ([-0-9.e]+)", (tmp_path / name / "lr").read_text())
+                        if not key.endswith("_time_secs")}
+    assert any(key.startswith("train_score") for key in scores["wrapped"]) and scores["wrapped"] == scores["unwrapped"]
+    assert not _processes_in(tmp_path)
 
 
 def test_a_dataset_slower_than_training_is_named_in_the_log(tmp_path):
