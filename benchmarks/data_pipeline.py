@@ -28,8 +28,18 @@ it makes the batches of 2 workers (one replica each) from the precomputed featur
 0 its own through shared memory and worker 1 its own over TCP on 127.0.0.1, each taking them as
 fast as it can: batches per second and MB per second (of arrays) delivered, per worker and in all.
 
+``--loaders`` sizes a machine for speech (``data_loaders``): on the espeak-ng corpus of
+benchmarks/speech_corpus.py, read as benchmarks/configs/speech_ctc.config reads it
+(``OggZipDataset``: Vorbis decoding and 40 MFCCs from ``ExtractAudioFeatures``, 5,000 frames per
+batch), it measures the CPU seconds one batch costs when this process makes the batches itself
+(RETURNN's batching and padding included), then the batches per second a producer delivers with
+1, 2, ... loader processes while the consumer only takes them (``--batches`` per row, after the
+first 4), each against 1 loader; and from the CPU cost, how many accelerators one core feeds at a
+given step time (one batch per replica and step).
+
     python benchmarks/data_pipeline.py [--seqs 1500] [--epochs 4] [--units 256 ...] [--workers N] [--precomputed]
     python benchmarks/data_pipeline.py --serve [--seqs 1500] [--epochs 4]
+    python benchmarks/speech_corpus.py && python benchmarks/data_pipeline.py --loaders 1 2 [--batches 120]
 """
 
 from __future__ import annotations
@@ -192,6 +202,69 @@ def serving_rate(work: str, args):
     print(f"{'both':30s} {total[0] / seconds:10.1f} {total[1] / seconds / 1e6:8.1f}", flush=True)
 
 
+def _speech_request(config_path: str, overrides):
+    """The speech config's training batches for one replica: (config, EpochBatches arguments, templates)."""
+    from returnn_tpu.batching import BatchingOptions, template_shapes
+    from returnn_tpu.network_inputs import extern_data_template
+    from returnn_tpu.startup import load_config
+
+    config = load_config(config_path, overrides)
+    extern_data = extern_data_template(config)
+    request = dict(epoch=1, batching=BatchingOptions(config), data_keys=["classes", "data"], recurrent=True,
+                   train=True, slots=None, num_slots=None, pad_last=False)
+    return config, request, extern_data, template_shapes(extern_data, ["classes", "data"])
+
+
+def loader_rates(args):
+    """``--loaders``: CPU seconds per speech batch in one process, then a producer's batches per
+    second with each number of loader processes (the consumer only taking them)."""
+    import itertools
+    import time
+
+    from returnn_tpu.data import EpochBatches
+    from returnn_tpu.datasets import init_datasets
+    from returnn_tpu.producer import DataProducer
+
+    os.environ["SPEECH_CORPUS"] = args.speech_dir
+    config_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "speech_ctc.config")
+    overrides = ["++max_seqs", "1"] if args.smoke else []  # smoke: enough batches in the tiny corpus
+    config, request, extern_data, templates = _speech_request(config_path, overrides)
+    skip = 4  # the first batches: the loaders' start and read-ahead, not their rate
+    batches = EpochBatches(init_datasets(config, "train"), extern_data=extern_data, prefetch=1, **request)
+    steps = batches.steps()
+    for _ in range(skip):
+        next(steps)
+    cpu, wall = time.process_time(), time.perf_counter()
+    frames = sum(int(batch["data"].shape[1]) * int(batch["data"].shape[0])
+                 for step, _ in itertools.islice(steps, args.batches) for batch in step)
+    cpu_per_batch, wall_per_batch = (time.process_time() - cpu) / args.batches, (time.perf_counter() - wall) / args.batches
+    steps.close()
+    print(f"speech corpus {args.speech_dir}: one process makes a batch ({frames / args.batches:.0f} padded frames "
+          f"on average) in {cpu_per_batch * 1e3:.0f} ms of CPU ({wall_per_batch * 1e3:.0f} ms wall), "
+          f"{args.batches} batches after the first {skip}")
+    print(f"{'loaders':>8s} {'batches/s':>10s} {'vs 1':>6s}")
+    base = None
+    for loaders in args.loaders:
+        producer = DataProducer(config_path, overrides, dataset_key="train", num_replicas=1, first_replica=0,
+                                distribution="shard", prefetch=2, loaders=loaders)
+        try:
+            taken = producer.epoch(**request, templates=templates).steps()
+            for _ in range(skip):
+                next(taken)
+            start = time.perf_counter()
+            for _ in itertools.islice(taken, args.batches):
+                pass
+            rate = args.batches / (time.perf_counter() - start)
+            taken.close()
+        finally:
+            producer.close()
+        base = base or rate
+        print(f"{loaders:8d} {rate:10.2f} {rate / base:5.2f}x", flush=True)
+    print("accelerators fed per core (one batch per replica and step, from the CPU cost above):")
+    for step_ms in (50, 100, 200, 500):
+        print(f"  {step_ms:4d} ms steps: {step_ms / 1e3 / cpu_per_batch:5.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, default=1500)
@@ -202,11 +275,26 @@ def main():
     parser.add_argument("--precomputed", action="store_true",
                         help="the HDF file holds the features (read directly, no PostprocessingDataset)")
     parser.add_argument("--serve", action="store_true", help="the chief producer's serving rate to 2 workers alone")
+    parser.add_argument("--loaders", type=int, nargs="+",
+                        help="speech: a producer's batches per second with these numbers of loader processes")
+    parser.add_argument("--batches", type=int, default=120, help="--loaders: batches timed per row")
+    parser.add_argument("--speech-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "returnn_tpu", "speech"),
+                        help="--loaders: benchmarks/speech_corpus.py's folder")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:
         args.seqs, args.epochs, args.units = 40, 2, [16]
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_pipeline_")
+    if args.loaders or args.smoke:
+        if args.smoke:  # the tiny corpus, 2 utterances per batch
+            import speech_corpus
+
+            args.speech_dir, args.loaders, args.batches = os.path.join(work, "speech"), [1, 2], 2
+            speech_corpus.make_tiny(args.speech_dir)
+        loader_rates(args)
+        if args.loaders and not args.smoke:
+            shutil.rmtree(work)
+            return
     if args.serve or args.smoke:  # the smoke run: both parts of the script
         try:
             serving_rate(work, args)

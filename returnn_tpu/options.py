@@ -9,6 +9,7 @@ This module imports neither TensorFlow nor RETURNN.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Optional, Tuple
 
 from returnn_tpu.errors import ConfigError
@@ -36,6 +37,20 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"distribute_options[{name!r}] must be an int >= 1, got {value!r}")
     return value
+
+
+LOADERS_PER_CORE = 4  # data_loaders' bound: more processes than that per core only take memory
+
+
+def _data_loaders(value: Any) -> int:
+    """``data_loaders``: an int >= 1, and at most :data:`LOADERS_PER_CORE` per core this process may
+    use (each loader holds a copy of the dataset)."""
+    loaders = _positive_int("data_loaders", value)
+    cores = len(os.sched_getaffinity(0))
+    if loaders > LOADERS_PER_CORE * cores:
+        raise ConfigError(f"distribute_options['data_loaders'] is {loaders}, more than {LOADERS_PER_CORE} per core "
+                          f"of this machine ({cores} cores): at most {LOADERS_PER_CORE * cores}")
+    return loaders
 
 
 def _positive_number(name: str, value: Any, what: str = "a number of seconds") -> float:
@@ -209,7 +224,7 @@ class DistributeOptions:
         if "data_prefetch" in options:
             kwargs["data_prefetch"] = _positive_int("data_prefetch", options["data_prefetch"])
         if options.get("data_loaders") is not None:
-            kwargs["data_loaders"] = _positive_int("data_loaders", options["data_loaders"])
+            kwargs["data_loaders"] = _data_loaders(options["data_loaders"])
         if options.get("time_limit") is not None:
             kwargs["time_limit"] = _seconds("time_limit", options["time_limit"])
         if "stop_before_time_limit" in options:
