@@ -79,26 +79,43 @@ class EpochStats:
 class ScoreAccumulator:
     """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores.
 
-    Steps add this worker's replicas' values on the device (no read-back to the host, no
-    communication per step); :meth:`combine` reads them once and adds up all workers' sums, at
-    the end of the epoch.
+    Steps leave this worker's replicas' values on the device (no read-back to the host, no
+    communication per step); every :data:`FOLD_STEPS` steps they are summed there, in float64, with
+    two ops per key and replica (two eager ops per key and replica and step cost about 0.6 ms of
+    a step's Python here: docs/measured.md, "The loop's own cost"); :meth:`combine` reads the sums
+    once and adds up all workers' sums, at the end of the epoch.
     """
+
+    FOLD_STEPS = 64
 
     def __init__(self, strategy: tf.distribute.Strategy, exp_loss: bool = False):
         self.strategy = strategy
         self.exp_loss = exp_loss  # RETURNN's calculate_exp_loss: also exp(score) (perplexity)
         self.device_sums: Dict[str, list] = {}  # key -> running sum per local replica (device tensors)
+        self.pending: Dict[str, list] = {}  # key -> per step not yet summed, its values per local replica
         self.sums: Dict[str, float] = {}  # after combine: over all replicas of all workers
 
     def add(self, metrics: Dict[str, tf.Tensor]):
         """Adds per-replica step metrics (see :func:`loss_metrics`), each on its replica's device."""
         for key, value in metrics.items():
-            copies = [tf.cast(v, tf.float64) for v in self.strategy.experimental_local_results(value)]
+            self.pending.setdefault(key, []).append(self.strategy.experimental_local_results(value))
+        if max(map(len, self.pending.values()), default=0) >= self.FOLD_STEPS:
+            self._fold()
+
+    def _fold(self):
+        """The pending steps' values added to the running sums, on each replica's device."""
+        for key, steps in self.pending.items():
+            folded = []
+            for values in zip(*steps):  # one replica's values over the pending steps
+                with tf.device(values[0].device):
+                    folded.append(tf.reduce_sum(tf.cast(tf.stack(values), tf.float64)))
             running = self.device_sums.get(key)
-            self.device_sums[key] = copies if running is None else [a + b for a, b in zip(running, copies)]
+            self.device_sums[key] = folded if running is None else [a + b for a, b in zip(running, folded)]
+        self.pending = {}
 
     def combine(self, sum_over_workers: Callable[[List[float]], List[float]]):
         """Reads the sums back (once) and adds them up over the workers."""
+        self._fold()
         keys = sorted(self.device_sums)
         local = [float(sum(value.numpy() for value in self.device_sums[key])) for key in keys]
         self.sums = dict(zip(keys, sum_over_workers(local)))
