@@ -13,6 +13,12 @@ The benchmark writes its corpora into a work folder (removed at the end):
   RETURNN as here);
 - ``dummy``: RETURNN's ``DummyDataset`` (sequences of 20 frames of ``--dim`` features, made when
   asked for; nothing on disk), the generated dataset of the issue that found the quadratic start.
+- ``files``: the HDF corpus written as 8 files, read by RETURNN's ``DistributeFilesDataset``
+  (its files dealt to the sub-epochs, each sub-epoch's ``HDFDataset`` loaded in a process of its
+  own);
+- ``ogg``: the espeak-ng speech of benchmarks/speech_corpus.py (``--speech-dir``; its size is the
+  corpus's, whatever ``--sizes`` says) read by ``OggZipDataset`` with 40 MFCCs from
+  ``ExtractAudioFeatures``, the network's loss CTC over its characters.
 
 Every run trains one epoch of ``partition_epoch = size / --epoch-seqs`` (RETURNN's way to cut a
 large corpus into sub-epochs), so that every size trains the same number of sequences and the
@@ -53,10 +59,12 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES, VOCAB = 10, 1000
+FILE_PARTS = 8  # the files kind: HDF files of the corpus
 STEP_LINE = re.compile(r"^(?:\[worker 0\] )?train epoch 1, step (\d+),")  # several workers: worker 0's
 FINISHED_LINE = re.compile(r"^(?:\[worker 0\] )?train epoch 1, finished after (\d+) steps")
 
 CONFIG = """#!rnn.py
+{prelude}
 train = {train}
 num_inputs = {num_inputs}
 num_outputs = {num_outputs}
@@ -143,15 +151,38 @@ def dataset_options(kind: str, files: dict, size: int, dim: int, partition: int)
                  "delayed_seq_data_start_symbol": "<s>", "partition_epoch": partition})
 
 
+FILES_PRELUDE = """
+def _sub_epoch(files):
+    return {"class": "HDFDataset", "files": files, "seq_ordering": "random", "cache_byte_size": 0}
+"""
+OGG_AUDIO = {"features": "mfcc", "num_feature_filters": 40, "window_len": 0.025, "step_len": 0.010,
+             "norm_mean": "per_seq", "norm_std_dev": "per_seq"}
+
+
 def config_text(kind: str, files: dict, size: int, dim: int, partition: int, strategy: str, options: dict) -> str:
+    common = dict(prelude="", loss="ce", strategy=strategy, options=options)
     if kind == "lm":
         extern = ('extern_data = {"data": {"dim": %d, "sparse": True}, "delayed": {"dim": %d, "sparse": True}}'
                   % (VOCAB + 3, VOCAB + 3))
         return CONFIG.format(train=dataset_options(kind, files, size, dim, partition), num_inputs=VOCAB + 3,
-                             num_outputs=VOCAB + 3, input="data:delayed", target="data", extern_data=extern,
-                             strategy=strategy, options=options)
+                             num_outputs=VOCAB + 3, input="data:delayed", target="data", extern_data=extern, **common)
+    if kind == "files":
+        train = (f'{{"class": "DistributeFilesDataset", "files": {files["parts"]!r}, '
+                 f'"get_sub_epoch_dataset": _sub_epoch, "partition_epoch": {partition}}}')
+        return CONFIG.format(train=train, num_inputs=dim, num_outputs=CLASSES, input="data", target="classes",
+                             extern_data="", **dict(common, prelude=FILES_PRELUDE))
+    if kind == "ogg":
+        chars = os.path.join(files["ogg"], "chars.vocab")
+        with open(chars, encoding="utf-8") as f:
+            num_chars = len(eval(f.read()))  # noqa: S307 (the corpus script's own list of characters)
+        train = repr({"class": "OggZipDataset", "path": os.path.join(files["ogg"], "train.zip"), "audio": OGG_AUDIO,
+                      "targets": {"class": "CharacterTargets", "vocab_file": chars, "unknown_label": None},
+                      "partition_epoch": partition, "seq_ordering": "laplace:.100"})
+        extern = f'extern_data = {{"data": {{"dim": 40}}, "classes": {{"dim": {num_chars}, "sparse": True}}}}'
+        return CONFIG.format(train=train, num_inputs=40, num_outputs=num_chars, input="data", target="classes",
+                             extern_data=extern, **dict(common, loss="ctc"))
     return CONFIG.format(train=dataset_options(kind, files, size, dim, partition), num_inputs=dim, num_outputs=CLASSES,
-                         input="data", target="classes", extern_data="", strategy=strategy, options=options)
+                         input="data", target="classes", extern_data="", **common)
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -218,7 +249,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--kinds", nargs="+", default=["hdf", "meta", "lm", "dummy"],
-                        choices=["hdf", "meta", "lm", "dummy"])
+                        choices=["hdf", "meta", "lm", "dummy", "files", "ogg"])
+    parser.add_argument("--speech-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "returnn_tpu", "speech"),
+                        help="ogg: benchmarks/speech_corpus.py's folder")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--epoch-seqs", type=int, default=2000, help="sequences per (sub-)epoch trained")
     parser.add_argument("--dim", type=int, default=80, help="feature dimension of the HDF corpus")
@@ -234,6 +267,12 @@ def main():
     try:
         for size in args.sizes:
             files = {}
+            if "files" in args.kinds:
+                files["parts"] = [os.path.join(work, f"part{part}.{size}.hdf") for part in range(FILE_PARTS)]
+                for path in files["parts"]:
+                    write_hdf(path, size // FILE_PARTS, args.dim)
+            if "ogg" in args.kinds:
+                files["ogg"] = args.speech_dir
             if {"hdf", "meta"} & set(args.kinds):
                 gb = size * 275 * (args.dim + 1) * 4 / 1e9
                 if gb <= args.max_hdf_gb:

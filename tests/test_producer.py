@@ -327,10 +327,11 @@ def _assert_same_batches(ours, theirs):
 
 def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path):
     """``data_producer = "chief"``: worker 0's producer makes both replicas' batches (one per
-    worker) and sends worker 1 its own over a TCP connection that must prove the key; each
-    worker's part is that of the in-process batches, bit for bit. A client that connects and says
-    nothing does not hold up the others' handshakes, a wrong key is refused, and
-    worker 1 learns within a bound that the producer is gone."""
+    worker), its sequences loaded by 2 loader processes (``data_loaders``), and sends worker 1
+    its own over a TCP connection that must prove the key; each worker's part is that of the
+    in-process batches, bit for bit. A client that connects and says nothing does not hold up the
+    others' handshakes, a wrong key is refused, and worker 1 learns within a bound that the
+    producer is gone."""
     import threading
 
     from returnn_tpu.batching import BatchingOptions
@@ -341,7 +342,8 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
     path, config, extern_data = _setup(tmp_path)
     key = os.urandom(16)
     producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
-                            prefetch=2, serve=ServeOptions("127.0.0.1", key, num_workers=2, replicas_per_worker=1))
+                            prefetch=2, serve=ServeOptions("127.0.0.1", key, num_workers=2, replicas_per_worker=1),
+                            loaders=2)
     try:
         port = producer.port()
         idle = socket.create_connection(("127.0.0.1", port))  # connects, then says nothing: must not hold up others
@@ -366,6 +368,7 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
             assert chief_weights + other_weights == weights
             _assert_same_batches(chief[0], both[0])
             _assert_same_batches(other[0], both[1])
+        assert len(_spawned_children(producer.pid)) == 2
         producer.close()
         start = time.time()
         with pytest.raises(ProducerError, match=r"worker 0's data producer \(127.0.0.1:\d+\) closed the connection"):
