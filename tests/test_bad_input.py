@@ -38,6 +38,7 @@ ROWS = [
     ('distribute_options = {"sync_dtype": "uint8"}', [], {}, "sync_dtype'] must be one of"),
     ('distribute_options = {"param_sync_step": 8, "sync_delay": 8}', [], {}, "['sync_delay'] must be less than"),
     ('distribute_options = {"skip_nonfinite_steps": 1}', [], {}, "skip_nonfinite_steps'] must be True or False"),
+    ('distribute_options = {"num_replicas": 10**6}', [], {}, "['num_replicas'] is 1000000, but this machine has no GPUs"),
     ('distribute_options = {"data_loaders": 0}', [], {}, "['data_loaders'] must be an int >= 1, got 0"),
     ('distribute_options = {"data_loaders": 10**6}', [], {}, "['data_loaders'] is 1000000, more than 4 per core"),
     ('distribute_options = {"time_limit": "4h"}', [], {}, "['time_limit'] must be seconds > 0 or 'H:MM:SS'"),

@@ -4,6 +4,7 @@ values made of one tensor per local replica."""
 from __future__ import annotations
 
 import itertools
+import os
 from typing import List, Optional
 
 import tensorflow as tf
@@ -12,11 +13,15 @@ from tensorflow.python.distribute import values as values_lib
 from returnn_tpu.errors import ConfigError
 
 
+LOGICAL_DEVICES_PER_CORE = 16  # more replicas per core than that only slow down (each has its own copy)
+
+
 def local_replica_devices(num_replicas: Optional[int]) -> List[str]:
     """Returns one device name per local replica.
 
     With GPUs: the first ``num_replicas`` GPUs (all of them if None).
-    Without GPUs: the CPU split into ``num_replicas`` logical devices, which must happen before
+    Without GPUs: the CPU split into ``num_replicas`` logical devices (at most
+    :data:`LOGICAL_DEVICES_PER_CORE` per core), which must happen before
     TensorFlow initialises its runtime (before the first op runs); on an initialised runtime
     the split is accepted only if it already has that many CPU devices.
     """
@@ -28,6 +33,11 @@ def local_replica_devices(num_replicas: Optional[int]) -> List[str]:
             )
         return [f"/gpu:{i}" for i in range(num_replicas or len(gpus))]
     num_replicas = num_replicas or 1
+    cores = len(os.sched_getaffinity(0))
+    if num_replicas > LOGICAL_DEVICES_PER_CORE * cores:  # TensorFlow's start-up would grow without a word
+        raise ConfigError(f"distribute_options['num_replicas'] is {num_replicas}, but this machine has no GPUs and "
+                          f"{cores} cores: at most {LOGICAL_DEVICES_PER_CORE} logical CPU devices per core "
+                          f"({LOGICAL_DEVICES_PER_CORE * cores})")
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         if num_replicas > 1:
