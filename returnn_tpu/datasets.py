@@ -18,6 +18,8 @@ from typing import Optional
 
 from returnn_tpu.errors import ConfigError, refused_by_returnn
 
+# A dataset's file that is not there (or cannot be opened): the config's error, not the machine's.
+MISSING_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 SEED_OFFSET_PER_REPLICA = 16127  # RETURNN's factor per Horovod rank
 LOADER_BUFFER_SEQS = 32  # sequences each loader process reads ahead (MultiProcDataset's buffer_size)
 # Datasets that data_loaders leaves as they are: one that is a MultiProcDataset already, and
@@ -28,10 +30,13 @@ LOADS_IN_PROCESSES = ("MultiProcDataset", "DistributeFilesDataset")
 def init_seq_order(dataset, epoch: int):
     """RETURNN's ``init_seq_order``; an assertion or ``ValueError`` RETURNN's dataset code raises
     there (its check of the dataset's options, e.g. ``num_seqs > 0``, or a ``DistributeFilesDataset``
-    sub-dataset without ``seq_ordering``) is bad input: one line naming the dataset and the failed
-    check."""
+    sub-dataset without ``seq_ordering``), or a file that is not there, is bad input: one line
+    naming the dataset and the failed check or the file."""
     try:
         dataset.init_seq_order(epoch=epoch)
+    except MISSING_FILE_ERRORS as exc:  # DistributeFilesDataset looks at its files here (their sizes)
+        raise ConfigError(f"{dataset.name}: RETURNN's {type(dataset).__name__} cannot read its files at epoch {epoch}: "
+                          f"{exc}") from None
     except (AssertionError, ValueError) as exc:
         import traceback
 

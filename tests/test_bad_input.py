@@ -165,6 +165,26 @@ def test_bad_input(tmp_path, monkeypatch, capsys, line, args, env, message):
     assert sorted(os.listdir(tmp_path)) == sorted(["train.config", FILE, "dangling"])  # nothing written, not even the log
 
 
+def test_a_missing_file_of_distribute_files_dataset_is_one_line(tmp_path, monkeypatch, capsys):
+    """``DistributeFilesDataset`` opens its first file when it is made and looks at the others'
+    sizes when an epoch starts: a second file that is not there is one line naming it, status 2,
+    nothing written (a job loop must not retry it as a crash)."""
+    from test_parity import write_hdf
+
+    from returnn_tpu import cli
+
+    write_hdf(tmp_path / "part1.hdf")
+    train = ('{"class": "DistributeFilesDataset", "files": ["part1.hdf", "part2.hdf"], "partition_epoch": 2, '
+             '"get_sub_epoch_dataset": lambda files: {"class": "HDFDataset", "files": files, "seq_ordering": "default"}}')
+    (tmp_path / "train.config").write_text(config_12ax(distribute_options=None) + f"log = 'out/train.log'\ntrain = {train}\n")
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["train.config"])
+    errors = [text for text in capsys.readouterr().err.splitlines() if text.startswith("returnn-tpu: error:")]
+    assert status == 2 and errors == ["returnn-tpu: error: train: RETURNN's DistributeFilesDataset cannot read its "
+                                      "files at epoch 1: [Errno 2] No such file or directory: 'part2.hdf'"], errors
+    assert sorted(os.listdir(tmp_path)) == ["part1.hdf", "train.config"]
+
+
 def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys):
     """A model folder in use (its lock names a running process on this host) stops a second run
     with one line naming the owner; a lock whose process is gone, or another host's that nobody
