@@ -45,6 +45,7 @@ import queue
 import shutil
 import signal
 import sys
+import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from returnn_tpu.producer_blocks import BLOCK_PREFIX, free_block, remove_stale_blocks, take_block
@@ -56,6 +57,7 @@ LIVENESS_SECONDS = 1.0  # how often a waiting trainer checks that its producer s
 WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says so, and again each time
 REMOTE_SILENCE_SECONDS = 30.0  # a worker that hears nothing of worker 0's producer this long stops
 STOPPED_SECONDS = 30.0  # a producer stopped by a signal this long while training waits is an error
+CLOSE_SECONDS = 5.0  # how long a producer told to end may take before it is killed
 
 
 def _is_stopped(pid: int) -> bool:
@@ -175,19 +177,35 @@ class DataProducer:
 
     def close(self):
         """Ends the producer process (also called at the trainer's exit) and frees the blocks
-        it made that training did not take."""
+        it made that training did not take.
+
+        Its command pipe is closed first: the producer then returns, and its datasets end the
+        processes they started in order (``DistributeFilesDataset``'s sub-epoch loader, the
+        loaders of ``data_loaders``; one whose parent is killed prints a traceback of its own).
+        What it made meanwhile is taken and freed, so that it does not wait to hand it over. One
+        still running after :data:`CLOSE_SECONDS` is killed: it holds nothing to save."""
+        self._commands.close()
+        deadline = time.monotonic() + CLOSE_SECONDS
+        while self._process.is_alive() and time.monotonic() < deadline:
+            self._discard_results()
+            self._process.join(timeout=0.05)
         if self._process.is_alive():
-            self._process.kill()  # it holds nothing to save
+            self._process.kill()
         self._process.join()
+        self._discard_results()
+        for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # made, not yet handed over
+            os.remove(path)
+
+
+    def _discard_results(self):
+        """Takes what the producer has put on its queue, freeing the blocks of its steps."""
         while True:
             try:
                 message = self._results.get_nowait()
-            except Exception:  # noqa: BLE001 (empty, or cut off by the kill)
-                break
+            except Exception:  # noqa: BLE001 (empty, or cut off by a kill)
+                return
             if message[0] == "step":
                 self.discard(message)
-        for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # made, not yet handed over
-            os.remove(path)
 
 
 def drop_semaphore_names(results) -> None:

@@ -14,12 +14,15 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import traceback
 from typing import Optional
 
 from returnn_tpu.producer_blocks import put_block
 from returnn_tpu.producer_protocol import ProducerError, expect
 from returnn_tpu.producer_serving import ServeOptions, WorkerConnections
+
+LOADER_EXIT_SECONDS = 1.0  # a loader whose pipe broke is found dead within this
 
 
 def run_producer(setup: dict, commands, results):
@@ -86,12 +89,16 @@ class _EpochMaker:
 
     def check_loaders(self):
         """Raises a :class:`ProducerError` naming a loader process of ``data_loaders`` that has
-        died (RETURNN's ``MultiProcDataset`` sees only its pipe close: FACTS.md, "MultiProcDataset")."""
-        for dataset in self.datasets:
-            for loader in getattr(dataset, "_worker_procs", None) or ():
-                if not loader.is_alive():
-                    raise ProducerError(f"its data loader process {loader.pid} ({loader.name}) died (exit status "
-                                        f"{loader.exitcode})") from None
+        died (RETURNN's ``MultiProcDataset`` sees only its pipe close: FACTS.md, "MultiProcDataset").
+        A dying process closes its pipes before it can be waited for: this waits up to
+        :data:`LOADER_EXIT_SECONDS` in all for that."""
+        loaders = [loader for dataset in self.datasets for loader in getattr(dataset, "_worker_procs", None) or ()]
+        deadline = time.monotonic() + LOADER_EXIT_SECONDS
+        for loader in loaders:
+            loader.join(timeout=max(0.0, deadline - time.monotonic()))
+            if not loader.is_alive():
+                raise ProducerError(f"its data loader process {loader.pid} ({loader.name}) died (exit status "
+                                    f"{loader.exitcode})") from None
 
     def start(self, request: dict):
         """The EpochBatches of ``request`` (its epoch started: RETURNN's ``init_seq_order``)."""

@@ -351,7 +351,8 @@ def test_workers_with_unequal_data_finish_the_epoch(tmp_path, monkeypatch):
 def test_distribute_files_dataset_deals_its_files_to_the_workers(tmp_path):
     """RETURNN's ``DistributeFilesDataset`` with ``distrib_shard_files`` on two workers, each with
     its producer process, which loads the sub-epochs in processes of its own (the default): each
-    worker reads its own files, together all of them, and both train the same steps."""
+    worker reads its own files, together all of them, and both train the same steps; the
+    sub-epoch loaders end in order, without a traceback after training's last line."""
     from test_data import write_hdf_parts
 
     paths = write_hdf_parts(tmp_path)
@@ -371,6 +372,7 @@ def test_distribute_files_dataset_deals_its_files_to_the_workers(tmp_path):
     assert sorted(used) == [0, 1] and not used[0] & used[1] and used[0] | used[1] == set("0123"), output[-3000:]
     steps = re.findall(r"\[worker (\d)\] epoch 1: (\d+) steps", result.stdout)
     assert len(steps) == 2 and steps[0][1] == steps[1][1], steps
+    assert "Traceback" not in output and "Error" not in output.split("finished training")[-1], output[-3000:]
 
 
 def test_workers_with_different_networks_are_named(tmp_path):
