@@ -21,7 +21,7 @@ import sys
 import time
 from typing import List, Optional
 
-from returnn_tpu.errors import ConfigError
+from returnn_tpu.errors import ConfigError, DatasetError
 from returnn_tpu.model_lock import ModelLock
 
 ENVIRONMENT = """\
@@ -349,7 +349,7 @@ def _training_failure(exc: Exception, cluster) -> int:
     if isinstance(exc, (checkpoints.CheckpointWriteError, RecordWriteError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return exc.status
-    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, ProducerError)):
+    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, ProducerError, DatasetError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
     refusal = reported_refusal(exc.cause if isinstance(exc, PeerLost) else exc)

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from returnn_tpu.batching import Batch, BatchingOptions, size_key
 from returnn_tpu.datasets import init_seq_order
+from returnn_tpu.errors import ConfigError, DatasetError
 
 
 def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
@@ -151,6 +152,7 @@ class EpochBatches:
         self.recurrent = recurrent
         self.train = train
         self.pad_last = pad_last
+        self.epoch = epoch
         self.first_step = 0
         self.batch_offset = 0  # see start_at
         start = time.perf_counter()
@@ -225,9 +227,14 @@ class EpochBatches:
             yield out, weights
 
     def steps(self) -> Iterator[Tuple[List[Batch], List[float]]]:
-        """The steps, read on the caller's thread; the datasets' epoch is finished at the end."""
+        """The steps, read on the caller's thread; the datasets' epoch is finished at the end.
+        What the dataset raises meanwhile is a :class:`returnn_tpu.errors.DatasetError` (one line)."""
         try:
             yield from self._own_copies() if len(self.datasets) > 1 else self._dealt()
+        except (ConfigError, DatasetError):
+            raise
+        except Exception as exc:  # noqa: BLE001 (RETURNN's dataset code, or a config function it calls)
+            raise DatasetError(self.datasets[0], self.epoch, exc) from exc
         finally:
             for dataset in self.datasets:
                 dataset.finish_epoch()

@@ -23,6 +23,17 @@ def refused_by_returnn(option: str, what: str, exc: BaseException) -> ConfigErro
     return ConfigError(f"{option}: RETURNN cannot build {what} from the config: {type(exc).__name__}: {first}{place}")
 
 
+class DatasetError(RuntimeError):
+    """A dataset raised while its batches were made (a corrupt file, a config function that
+    fails): one line naming the dataset, the epoch and the error, exit status 1."""
+
+    def __init__(self, dataset, epoch: int, exc: BaseException):
+        import traceback
+
+        cause = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        super().__init__(f"{dataset.name}: RETURNN's {type(dataset).__name__} failed in epoch {epoch}: {cause}")
+
+
 # The exit status of a run that stopped early where running the same command continues it (a lost
 # worker, the time limit): sysexits.h's EX_TEMPFAIL, "try again later".
 RESUMABLE_STATUS = 75

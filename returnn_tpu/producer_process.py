@@ -53,11 +53,11 @@ def run_producer(setup: dict, commands, results):
     except (EOFError, KeyboardInterrupt):
         return  # the trainer is gone
     except BaseException as exc:  # noqa: BLE001 (every failure goes to the trainer, which stops)
-        from returnn_tpu.errors import ConfigError
+        from returnn_tpu.errors import ConfigError, DatasetError
 
         if isinstance(exc, ConfigError):  # bad input: the trainer reports it as its own
             error = ("error", str(exc), True)
-        elif isinstance(exc, ProducerError):  # its own words
+        elif isinstance(exc, (ProducerError, DatasetError)):  # their own words
             error = ("error", str(exc), False)
         else:
             lines = traceback.format_exception_only(type(exc), exc)

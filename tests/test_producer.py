@@ -222,9 +222,30 @@ def test_a_failing_producer_stops_training_with_its_error(tmp_path):
     result = run_cli(["train.config"], cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
-    assert len(errors) == 1 and "failed: ValueError: corrupt feature file for sequence 25" in errors[0], \
+    assert len(errors) == 1 and ("failed: train: RETURNN's PostprocessingDataset failed in epoch 1: ValueError: "
+                                 "corrupt feature file for sequence 25") in errors[0], \
         result.stderr[-3000:]
     assert not os.path.exists(tmp_path / "out" / "model.001.index")
+
+
+def test_a_failing_dev_dataset_stops_training_in_one_line(tmp_path):
+    """A dev dataset that raises at its 9th sequence (a config-defined dataset class): one line
+    naming the dataset, the epoch and the error, exit status 1, no traceback."""
+    prelude = ('from returnn.datasets.generating import Task12AXDataset\n'
+               'class _Corrupt(Task12AXDataset):\n'
+               '    def generate_seq(self, seq_idx):\n'
+               '        if seq_idx == 9:\n'
+               '            raise ValueError("corrupt dev file at sequence 9")\n'
+               '        return super().generate_seq(seq_idx)\n')
+    config = config_12ax(prelude, dev=Code('{"class": _Corrupt, "num_seqs": 20, "fixed_random_seed": 1}'),
+                         num_epochs=1, distribute_options={})
+    (tmp_path / "train.config").write_text(config)
+    result = run_cli(["train.config"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert errors == ["returnn-tpu: error: dev: RETURNN's _Corrupt failed in epoch 1: ValueError: corrupt dev file at "
+                      "sequence 9"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_a_killed_data_loader_stops_training_in_one_line_and_leaves_nothing(tmp_path):
