@@ -196,7 +196,6 @@ class DataProducer:
         for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # made, not yet handed over
             os.remove(path)
 
-
     def _discard_results(self):
         """Takes what the producer has put on its queue, freeing the blocks of its steps."""
         while True:
