@@ -294,7 +294,8 @@ def test_speech_trains_with_data_loaders_through_the_producer(tmp_path, speech_c
     """tests/configs' OggZipDataset config, as its MultiProcDataset (2 processes) and unwrapped, each
     trained by local SGD on 2 replicas through the producer with ``data_loaders = 2``: the
     unwrapped dataset gets 2 loaders (the log says so), the wrapped one is not wrapped again, and
-    both train their sub-epoch with the same batches (the same steps and train score)."""
+    both train their sub-epoch with the same batches (the same steps and train score). The
+    unwrapped one also trains on 2 local workers (``--local-workers 2``). No process is left."""
     from parity import CONFIGS
 
     config = (open(os.path.join(CONFIGS, "ogg_zip_multi_proc_ctc.config")).read())
@@ -313,6 +314,13 @@ def test_speech_trains_with_data_loaders_through_the_producer(tmp_path, speech_c
         scores[name] = {key: value for key, value in re.findall(r"'([^']+)': ([-0-9.e]+)", (tmp_path / name / "lr").read_text())
                         if not key.endswith("_time_secs")}
     assert any(key.startswith("train_score") for key in scores["wrapped"]) and scores["wrapped"] == scores["unwrapped"]
+    # And on two local workers, a producer with 2 loaders each.
+    result = run_cli(["--local-workers", "2", "unwrapped.config", "++model", "workers/model", "++distribute_strategy",
+                      "local_sgd", "++distribute_options", "{'num_replicas': 1, 'param_sync_step': 2, 'data_loaders': 2, "
+                      "'dataset_distribution': 'shard', 'startup_timeout': 120}"], cwd=tmp_path,
+                     env={"PARITY_SPEECH": speech_corpus_dir})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert os.path.exists(tmp_path / "workers" / "model.001.index")
     assert not _processes_in(tmp_path)
 
 
