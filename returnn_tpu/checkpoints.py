@@ -163,6 +163,30 @@ def _interrupted_prefixes(model_filename: str):
     return [path[: -len(".index")] for path in glob.glob(pattern)]
 
 
+@contextlib.contextmanager
+def _exclusive(path: str):
+    """Holds an exclusive lock on the file ``path`` (made if missing) and removes it afterwards.
+    A process that waited for the lock while the holder removed the file reopens it, so no two
+    hold it at once and no lock file is left behind."""
+    while True:
+        lock = open(path, "a")
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        try:
+            current = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        lock.close()  # removed by the holder before: the next one is made afresh
+    try:
+        yield
+    finally:
+        try:
+            os.remove(path)
+        finally:
+            lock.close()
+
+
 def interrupted(model_filename: str, start_epoch: int) -> Optional[Interrupted]:
     """The interrupted checkpoint to resume from: of an epoch at or after ``start_epoch`` (the one
     after the newest complete epoch's checkpoint); None if there is none."""
@@ -475,13 +499,11 @@ class RunCheckpoints:
         state["global_step"] = tf.constant(point.updates, tf.int64)  # the updates that count
         with self._naming_the_last_good():
             try:
-                lock = open(self.model_filename + ".interrupted.lock", "a")
+                with _exclusive(self.model_filename + ".interrupted.lock"):
+                    written = interrupted(self.model_filename, point.epoch)
+                    if not written or (written.epoch, written.steps_done) < (point.epoch, point.steps_done):
+                        save_interrupted(self.model_filename, prefix, state, epoch=point.epoch,
+                                         steps_done=point.steps_done, num_replicas=self.num_replicas)
             except OSError as exc:
                 raise CheckpointWriteError.of(prefix, exc) from None
-            with lock:
-                fcntl.lockf(lock, fcntl.LOCK_EX)
-                written = interrupted(self.model_filename, point.epoch)
-                if not written or (written.epoch, written.steps_done) < (point.epoch, point.steps_done):
-                    save_interrupted(self.model_filename, prefix, state, epoch=point.epoch,
-                                     steps_done=point.steps_done, num_replicas=self.num_replicas)
         return prefix

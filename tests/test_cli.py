@@ -120,6 +120,7 @@ def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
     prefix = str(stopped / "out" / "model.001.interrupted")
     assert "the combined model is in out/model.001.interrupted" in stderr.splitlines()[-1], stderr[-3000:]
     assert not os.path.exists(stopped / "out" / "model.001.index")
+    assert not os.path.exists(stopped / "out" / "model.interrupted.lock")  # the writers' lock is gone
     found = checkpoints.interrupted(str(stopped / "out" / "model"), 1)
     assert found.epoch == 1 and found.steps_done > 0, found
     assert all(numpy.isfinite(v).all() for v in checkpoints.load(prefix).values())
