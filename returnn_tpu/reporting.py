@@ -82,7 +82,7 @@ class ScoreAccumulator:
     Steps leave this worker's replicas' values on the device (no read-back to the host, no
     communication per step); every :data:`FOLD_STEPS` steps they are summed there, in float64, with
     two ops per key and replica (two eager ops per key and replica and step cost about 0.6 ms of
-    a step's Python here: docs/measured.md, "The loop's own cost"); :meth:`combine` reads the sums
+    a step's Python here: docs/measured.md, "Corpora at scale"); :meth:`combine` reads the sums
     once and adds up all workers' sums, at the end of the epoch.
     """
 
