@@ -15,6 +15,7 @@ setup(
         "returnn>=1.20250101,<1.20280000",
         "numpy",
         "dm-tree",
+        "threadpoolctl",  # one BLAS thread in the data producer (producer_process.one_math_thread)
     ],
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16,<2.22"],

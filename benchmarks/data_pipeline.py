@@ -219,32 +219,44 @@ def loader_rates(args):
     """``--loaders``: CPU seconds per speech batch in one process, then a producer's batches per
     second with each number of loader processes (the consumer only taking them)."""
     import itertools
+    import statistics
     import time
 
     from returnn_tpu.data import EpochBatches
     from returnn_tpu.datasets import init_datasets
     from returnn_tpu.producer import DataProducer
+    from returnn_tpu.producer_process import one_math_thread
+    from threadpoolctl import threadpool_info, threadpool_limits
 
     os.environ["SPEECH_CORPUS"] = args.speech_dir
     config_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "speech_ctc.config")
     overrides = ["++max_seqs", "1"] if args.smoke else []  # smoke: enough batches in the tiny corpus
     config, request, extern_data, templates = _speech_request(config_path, overrides)
     skip = 4  # the first batches: the loaders' start and read-ahead, not their rate
-    batches = EpochBatches(init_datasets(config, "train"), extern_data=extern_data, prefetch=1, **request)
-    steps = batches.steps()
-    for _ in range(skip):
-        next(steps)
-    cpu, wall = time.process_time(), time.perf_counter()
-    frames = sum(int(batch["data"].shape[1]) * int(batch["data"].shape[0])
-                 for step, _ in itertools.islice(steps, args.batches) for batch in step)
-    cpu_per_batch, wall_per_batch = (time.process_time() - cpu) / args.batches, (time.perf_counter() - wall) / args.batches
-    steps.close()
-    print(f"speech corpus {args.speech_dir}: one process makes a batch ({frames / args.batches:.0f} padded frames "
-          f"on average) in {cpu_per_batch * 1e3:.0f} ms of CPU ({wall_per_batch * 1e3:.0f} ms wall), "
-          f"{args.batches} batches after the first {skip}")
-    print(f"{'loaders':>8s} {'batches/s':>10s} {'vs 1':>6s}")
-    base = None
-    for loaders in args.loaders:
+
+    def one_process(threads):
+        """CPU and wall seconds per batch, made in this process with ``threads`` BLAS threads."""
+        with threadpool_limits(threads):
+            batches = EpochBatches(init_datasets(config, "train"), extern_data=extern_data, prefetch=1, **request)
+            steps = batches.steps()
+            for _ in range(skip):
+                next(steps)
+            cpu, wall = time.process_time(), time.perf_counter()
+            frames = sum(int(batch["data"].shape[1]) * int(batch["data"].shape[0])
+                         for step, _ in itertools.islice(steps, args.batches) for batch in step)
+            steps.close()
+        return (time.process_time() - cpu) / args.batches, (time.perf_counter() - wall) / args.batches, frames
+
+    default_threads = max(pool["num_threads"] for pool in threadpool_info())
+    for threads in (default_threads, 1):
+        cpu_per_batch, wall_per_batch, frames = one_process(threads)
+        print(f"speech corpus {args.speech_dir}: one process with {threads} BLAS thread(s) makes a batch "
+              f"({frames / args.batches:.0f} padded frames on average) in {cpu_per_batch * 1e3:.0f} ms of CPU "
+              f"({wall_per_batch * 1e3:.0f} ms wall), {args.batches} batches after the first {skip}")
+    one_math_thread()  # as the producer does: the rows below have one BLAS thread per process
+
+    def producer_rate(loaders):
+        """A producer's batches per second with ``loaders`` loader processes, the consumer only taking them."""
         producer = DataProducer(config_path, overrides, dataset_key="train", num_replicas=1, first_replica=0,
                                 distribution="shard", prefetch=2, loaders=loaders)
         try:
@@ -258,8 +270,17 @@ def loader_rates(args):
             taken.close()
         finally:
             producer.close()
-        base = base or rate
-        print(f"{loaders:8d} {rate:10.2f} {rate / base:5.2f}x", flush=True)
+        return rate
+
+    rates = {loaders: [] for loaders in args.loaders}
+    for _ in range(args.repeats):  # in turn, so that the machine's load falls on every row alike
+        for loaders in args.loaders:
+            rates[loaders].append(producer_rate(loaders))
+    print(f"{'loaders':>8s} {'batches/s':>10s} {'vs ' + str(args.loaders[0]):>6s}   (median of {args.repeats}; each)")
+    base = statistics.median(rates[args.loaders[0]])
+    for loaders, each in rates.items():
+        rate = statistics.median(each)
+        print(f"{loaders:8d} {rate:10.2f} {rate / base:5.2f}x   {' '.join(f'{r:.2f}' for r in each)}", flush=True)
     print("accelerators fed per core (one batch per replica and step, from the CPU cost above):")
     for step_ms in (50, 100, 200, 500):
         print(f"  {step_ms:4d} ms steps: {step_ms / 1e3 / cpu_per_batch:5.2f}")
@@ -278,6 +299,7 @@ def main():
     parser.add_argument("--loaders", type=int, nargs="+",
                         help="speech: a producer's batches per second with these numbers of loader processes")
     parser.add_argument("--batches", type=int, default=120, help="--loaders: batches timed per row")
+    parser.add_argument("--repeats", type=int, default=3, help="--loaders: runs of each row, in turn")
     parser.add_argument("--speech-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "returnn_tpu", "speech"),
                         help="--loaders: benchmarks/speech_corpus.py's folder")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
@@ -289,7 +311,7 @@ def main():
         if args.smoke:  # the tiny corpus, 2 utterances per batch
             import speech_corpus
 
-            args.speech_dir, args.loaders, args.batches = os.path.join(work, "speech"), [1, 2], 2
+            args.speech_dir, args.loaders, args.batches, args.repeats = os.path.join(work, "speech"), [1, 2], 2, 1
             speech_corpus.make_tiny(args.speech_dir)
         loader_rates(args)
         if args.loaders and not args.smoke:

@@ -23,6 +23,8 @@ from returnn_tpu.producer_protocol import ProducerError, expect
 from returnn_tpu.producer_serving import ServeOptions, WorkerConnections
 
 LOADER_EXIT_SECONDS = 1.0  # a loader whose pipe broke is found dead within this
+# Where numpy's BLAS (and OpenMP) take their number of threads; one set by the user is kept.
+MATH_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def run_producer(setup: dict, commands, results):
@@ -31,6 +33,7 @@ def run_producer(setup: dict, commands, results):
     from returnn_tpu.launcher import STOP_SIGNALS, die_with_parent
 
     die_with_parent()
+    one_math_thread()
     for signum in STOP_SIGNALS:  # the trainer decides when to stop
         signal.signal(signum, signal.SIG_IGN)
     workers = None
@@ -68,6 +71,20 @@ def run_producer(setup: dict, commands, results):
                 workers.send_all(error)
             except ProducerError:
                 pass  # that worker is gone already
+
+
+def one_math_thread():
+    """Numpy's BLAS with one thread in this process and in the loader processes it starts later
+    (FACTS.md, "BLAS threads in data processes"): a dataset's features are many small products, which
+    BLAS's threads do not make faster, and with one producer or loader per core they only contend.
+    Kept as the user set it if any of :data:`MATH_THREAD_VARIABLES` is set."""
+    if any(name in os.environ for name in MATH_THREAD_VARIABLES):
+        return
+    for name in MATH_THREAD_VARIABLES:  # for the loaders: spawned, they read these when numpy loads
+        os.environ[name] = "1"
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)  # this process: numpy is loaded already
 
 
 class _EpochMaker:

@@ -485,3 +485,35 @@ def test_blocks_of_a_gone_producer_are_removed_with_one_line_to_the_current_stde
         for path in (stale, live):
             if os.path.exists(path):
                 os.remove(path)
+
+
+_REPORT_BLAS_THREADS = """
+import multiprocessing, numpy
+from threadpoolctl import threadpool_info
+from returnn_tpu.producer_process import one_math_thread
+
+def threads(_=None):
+    return max(pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas")
+
+if __name__ == "__main__":
+    one_math_thread()
+    with multiprocessing.get_context("spawn").Pool(1) as loader:  # as MultiProcDataset starts its loaders
+        print(threads(), loader.apply(threads))
+"""
+
+
+@pytest.mark.parametrize("user_setting", [None, "2"])
+def test_the_producer_and_its_loaders_compute_with_one_blas_thread_unless_the_user_said(tmp_path, user_setting):
+    """FACTS.md, "BLAS threads in data processes": the producer and the loaders it spawns later
+    have one BLAS thread each (numpy is loaded in the producer before it runs); a user's
+    ``OPENBLAS_NUM_THREADS`` is kept."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    if user_setting:
+        env["OPENBLAS_NUM_THREADS"] = user_setting
+    (tmp_path / "report.py").write_text(_REPORT_BLAS_THREADS)
+    result = subprocess.run([sys.executable, "report.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=dict(env, PYTHONPATH=REPO))
+    assert result.returncode == 0, result.stderr
+    expected = user_setting or "1"
+    assert result.stdout.split() == [expected, expected], result.stdout
