@@ -72,7 +72,7 @@ batch_size = 5000
 max_seqs = 40
 network = {{
     "hidden": {{"class": "linear", "activation": "relu", "n_out": 64, "from": "{input}"}},
-    "output": {{"class": "softmax", "loss": "ce", "from": "hidden", "target": "{target}"}},
+    "output": {{"class": "softmax", {loss}, "from": "hidden", "target": "{target}"}},
 }}
 {extern_data}
 optimizer = {{"class": "adam"}}
@@ -155,12 +155,13 @@ FILES_PRELUDE = """
 def _sub_epoch(files):
     return {"class": "HDFDataset", "files": files, "seq_ordering": "random", "cache_byte_size": 0}
 """
+CTC_LOSS = '"loss": "ctc", "loss_opts": {"ctc_opts": {"ignore_longer_outputs_than_inputs": True}}'
 OGG_AUDIO = {"features": "mfcc", "num_feature_filters": 40, "window_len": 0.025, "step_len": 0.010,
              "norm_mean": "per_seq", "norm_std_dev": "per_seq"}
 
 
 def config_text(kind: str, files: dict, size: int, dim: int, partition: int, strategy: str, options: dict) -> str:
-    common = dict(prelude="", loss="ce", strategy=strategy, options=options)
+    common = dict(prelude="", loss='"loss": "ce"', strategy=strategy, options=options)
     if kind == "lm":
         extern = ('extern_data = {"data": {"dim": %d, "sparse": True}, "delayed": {"dim": %d, "sparse": True}}'
                   % (VOCAB + 3, VOCAB + 3))
@@ -180,7 +181,7 @@ def config_text(kind: str, files: dict, size: int, dim: int, partition: int, str
                       "partition_epoch": partition, "seq_ordering": "laplace:.100"})
         extern = f'extern_data = {{"data": {{"dim": 40}}, "classes": {{"dim": {num_chars}, "sparse": True}}}}'
         return CONFIG.format(train=train, num_inputs=40, num_outputs=num_chars, input="data", target="classes",
-                             extern_data=extern, **dict(common, loss="ctc"))
+                             extern_data=extern, **dict(common, loss=CTC_LOSS))
     return CONFIG.format(train=dataset_options(kind, files, size, dim, partition), num_inputs=dim, num_outputs=CLASSES,
                          input="data", target="classes", extern_data="", **common)
 
@@ -260,8 +261,13 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:
-        args.sizes, args.epoch_seqs, args.dim, args.runs, args.kinds = [400], 200, 8, ["plain", "single"], ["meta", "lm"]
+        args.sizes, args.epoch_seqs, args.dim, args.runs, args.kinds = [400], 200, 8, ["plain", "single"], ["lm", "ogg"]
     work = tempfile.mkdtemp(prefix="returnn_tpu_data_scale_")
+    if args.smoke:  # the tiny speech corpus
+        import speech_corpus
+
+        args.speech_dir = os.path.join(work, "speech")
+        speech_corpus.make_tiny(args.speech_dir)
     results = []
     started = time.perf_counter()
     try:
@@ -296,7 +302,8 @@ def main():
                     with open(os.path.join(folder, "train.config"), "w") as f:
                         f.write(config_text(kind, files, size, args.dim, max(1, size // args.epoch_seqs), strategy,
                                             options))
-                    row = dict(timed_run([sys.executable, *command, "train.config"], folder), run=name, kind=kind,
+                    smaller = ["++max_seqs", "2"] if args.smoke and kind == "ogg" else []  # steps from 12 utterances
+                    row = dict(timed_run([sys.executable, *command, "train.config", *smaller], folder), run=name, kind=kind,
                                size=size, corpus_gb=round(disk, 2), waiting=None)
                     metrics = os.path.join(folder, "out", "metrics.jsonl")
                     if os.path.exists(metrics):

@@ -170,12 +170,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 def train(filename: str, overrides: List[str]) -> int:
     """Runs the config's task in this process (training, or plain RETURNN for other tasks);
     returns the exit status."""
-    from returnn_tpu.startup import TASKS, check_config, load_config
+    from returnn_tpu.startup import TASKS, check_config, keys_dropped_by_overrides, load_config
 
     cluster = lock = options = None
     new_paths: List[str] = []
     try:
         config = load_config(filename, overrides)
+        for line in keys_dropped_by_overrides(filename, overrides):
+            print(f"returnn-tpu: note: {line}", file=sys.stderr)
         task = config.value("task", "train")
         if task not in TASKS:
             run_plain_returnn(config, filename, overrides)

@@ -9,7 +9,9 @@ status 2, nothing written). A lock is stale, and is taken over with a log line, 
 is gone (same host): no process has its pid, or the one that has it started at another time or
 before another boot (a pid reused after a restart, e.g. pid 1 in a restarted container); or it
 was not refreshed for :data:`STALE_SECONDS` (another host, whose processes cannot be seen from
-here: a crashed or preempted job's lock does not block its resubmission for longer than that).
+here: a crashed or preempted job's lock does not block its resubmission for longer than that;
+also a lock of this host without the process identity, written by an older version or where
+``/proc`` does not say, whose live pid may be another process's).
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ class ModelLock:
                 return f"its process {pid} on this host is gone"
             except PermissionError:
                 pass  # another user's running process
-            if identity not in (None, "?") and _process_identity(pid) != identity:
+            if identity in (None, "?"):  # an older version's lock, or no /proc: the live pid may be another's
+                return f"its pid {pid} lives, but it was not refreshed for {age:.0f} s" if age > STALE_SECONDS else None
+            if _process_identity(pid) != identity:
                 return f"its process {pid} on this host is gone (pid {pid} is now another process)"
             return None
         return f"host {host} did not refresh it for {age:.0f} s" if age > STALE_SECONDS else None

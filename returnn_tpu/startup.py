@@ -14,7 +14,7 @@ import math
 import os
 import re
 import tempfile
-from typing import Optional, Set
+from typing import List, Optional, Set
 
 from returnn_tpu.config_keys import REFUSED
 from returnn_tpu.errors import ConfigError
@@ -134,6 +134,36 @@ def known_option_names() -> Set[str]:
                     with open(os.path.join(folder, name), encoding="utf8", errors="replace") as f:
                         names.update(_OPTION_READ.findall(f.read()))
     return names
+
+
+def keys_dropped_by_overrides(config_filename: str, overrides) -> List[str]:
+    """One line for each ``++key {...}`` that replaces a dict the config file assigns as a literal
+    (RETURNN's semantics: the whole value, not an update), naming the file's keys it dropped, so
+    that an override meant as an update does not silently lose them."""
+    import ast
+
+    try:
+        with open(config_filename, encoding="utf8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return []  # load_config says what is wrong with the file
+    assigned = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned[target.id] = {key.value for key in node.value.keys if isinstance(key, ast.Constant)}
+    lines = []
+    for key, text in zip(overrides[::2], overrides[1::2]):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            continue
+        dropped = sorted(map(str, assigned.get(key[2:], set()) - set(value))) if isinstance(value, dict) else []
+        if dropped:
+            lines.append(f"{key} replaces the config's whole {key[2:]} (RETURNN's overrides do not merge); it dropped "
+                         f"{', '.join(dropped)}: give them in the override too to keep them")
+    return lines
 
 
 def _check_override_keys(config_filename: str, keys):

@@ -228,7 +228,31 @@ def test_a_second_run_on_the_same_model_is_refused(tmp_path, monkeypatch, capsys
     lock.write_text(f"{socket.gethostname()} {os.getpid()} 0 {model_lock._process_identity(os.getpid())}\n")
     with pytest.raises(ConfigError, match="in use by another returnn-tpu run"):
         ModelLock(str(tmp_path / "out" / "model"))
-    lock.unlink()
+    # An older version's lock (no process identity) naming a live pid: honoured while refreshed,
+    # taken over once it was not refreshed for STALE_SECONDS (its live pid may be another's).
+    lock.write_text(f"{socket.gethostname()} 1 0\n")
+    with pytest.raises(ConfigError, match="in use by another returnn-tpu run"):
+        ModelLock(str(tmp_path / "out" / "model"))
+    os.utime(lock, (time.time() - STALE_SECONDS - 1,) * 2)
+    ModelLock(str(tmp_path / "out" / "model")).release()
     lock.mkdir()  # a folder where the lock goes: one line, no IsADirectoryError
     with pytest.raises(ConfigError, match="model.lock is a folder, not a lock file; remove it"):
         ModelLock(str(tmp_path / "out" / "model"))
+
+
+def test_an_override_of_a_dict_names_the_keys_it_dropped(tmp_path, monkeypatch, capsys):
+    """``++distribute_options "{...}"`` replaces the config's whole dict (RETURNN's overrides do
+    not merge): one line names the keys of the file's dict that it dropped (here before a refusal,
+    so that nothing trains)."""
+    from returnn_tpu import cli
+
+    (tmp_path / "train.config").write_text(
+        config_12ax(distribute_options={"param_sync_step": 4, "sync_dtype": "bfloat16", "num_replicas": 2}))
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["train.config", "++distribute_options", "{'num_replicas': 0}"])
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("returnn-tpu: note:")]
+    assert status == 2 and "num_replicas" in err.splitlines()[-1], err
+    assert notes == ["returnn-tpu: note: ++distribute_options replaces the config's whole distribute_options "
+                     "(RETURNN's overrides do not merge); it dropped param_sync_step, sync_dtype: give them in the "
+                     "override too to keep them"], err
