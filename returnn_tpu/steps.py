@@ -20,6 +20,7 @@ to per-replica sums, and the next :meth:`ReplicaSteps.train` adds its own and ap
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -63,6 +64,7 @@ class ReplicaSteps:
         self.first_replica = worker_index * self.local_replicas  # global index of this worker's first
         self.jit_compile = jit_compile
         self._run_shapes = set()  # batch shapes train() has run (with XLA, each new one compiles)
+        self._traces = {}  # (function, options) -> its one trace for all batch shapes (without XLA)
         self.compilations = 0  # since the last take_compilations()
         self.compile_seconds = 0.0  # those calls' time: trace, compilation (or cache load), one step
         self.replica = ReplicaPass(
@@ -132,7 +134,7 @@ class ReplicaSteps:
         self.optimizer.create_state(self.strategy, list(self.replica.trainable().values()))
         self.replica.create_state()
         self.syncs.attach(self.replica.trainable, self.optimizer)
-        self._train.get_concrete_function(*self._train_args(self._signature(self.distribute(first_step)), 0.0, None))
+        self._trace(self._train, self._train_args(self.distribute(first_step), 0.0, None))
 
     def _train_args(self, batches, learning_rate: float, due: Optional[SyncDue], update: bool = True) -> tuple:
         args = (batches, tf.constant(learning_rate, tf.float32))
@@ -145,8 +147,9 @@ class ReplicaSteps:
         what ``due`` names (the host path syncs after it: ``syncs.after_update``)."""
         shape = tuple(sorted((key, value.shape) for key, value in step_batches[0].items())) if self.jit_compile else None
         start = time.perf_counter()
-        metrics = self._train(*self._train_args(self.distribute(step_batches), learning_rate, due),
-                              mean_gradient=bool(due and due.mean_gradient))
+        synchronous = {"mean_gradient": True} if due and due.mean_gradient else {}  # a trace of its own
+        metrics = self._call(self._train, self._train_args(self.distribute(step_batches), learning_rate, due),
+                             **synchronous)
         if shape is not None and shape not in self._run_shapes:  # this call compiled the step
             self._run_shapes.add(shape)
             self.compilations += 1
@@ -168,12 +171,12 @@ class ReplicaSteps:
         the same random ops, so each draws new dropout masks (a function of its own would repeat
         the train step's masks; FACTS.md, "RETURNN's root graph") and the network is traced once.
         """
-        return self._train(*self._train_args(self.distribute(step_batches), 0.0, None, update=False))
+        return self._call(self._train, self._train_args(self.distribute(step_batches), 0.0, None, update=False))
 
     def evaluate(self, step_batches: List, weights: List[float]) -> Dict:
         """Per-replica metrics of the eval network, each replica's scaled by its weight (0: padding)."""
         weights = self.distribute([tf.constant(w, tf.float32) for w in weights])
-        return self._call_with_open_shapes(self._evaluate, self.distribute(step_batches), weights)
+        return self._call(self._evaluate, (self.distribute(step_batches), weights))
 
     def _signature(self, batches):
         """What a step function is traced for: XLA compiles per shape anyway (buckets); otherwise the
@@ -182,11 +185,24 @@ class ReplicaSteps:
         "RETURNN's root graph")."""
         return batches if self.jit_compile else varying_shapes_spec(batches)
 
-    def _call_with_open_shapes(self, function, *args):
-        """Calls ``function``, its first trace made for :meth:`_signature` of the arguments."""
-        if function.experimental_get_tracing_count() == 0:
-            function.get_concrete_function(*self._signature(args))
-        return function(*args)
+    def _trace(self, function, args: tuple, **options):
+        """``function``'s trace for :meth:`_signature` of ``args`` (the batches first) and these
+        keyword ``options``, made on the first call and kept."""
+        key = (function, tuple(sorted(options.items())))
+        if key not in self._traces:
+            self._traces[key] = function.get_concrete_function(self._signature(args[0]), *args[1:], **options)
+        return self._traces[key]
+
+    def _call(self, function, args: tuple, **options):
+        """Runs the step ``function`` on ``args``. Without XLA, through its one trace, called
+        directly: ``tf.function``'s own dispatch looks up each new batch shape among those it has
+        seen, which costs milliseconds per step once there are hundreds (FACTS.md, "tf.function's
+        dispatch per call"). With XLA, through ``tf.function``, which compiles each bucket's shape."""
+        if self.jit_compile:
+            return function(*args, **options)
+        arguments = inspect.signature(function.python_function).bind(*args, **options)
+        arguments.apply_defaults()  # a concrete function takes every argument, defaults too
+        return self._trace(function, args, **options)(*arguments.args, **arguments.kwargs)
 
     # ---- traced ---------------------------------------------------------------------------------
 
