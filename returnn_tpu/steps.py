@@ -64,7 +64,7 @@ class ReplicaSteps:
         self.first_replica = worker_index * self.local_replicas  # global index of this worker's first
         self.jit_compile = jit_compile
         self._run_shapes = set()  # batch shapes train() has run (with XLA, each new one compiles)
-        self._traces = {}  # (function, options) -> its one trace for all batch shapes (without XLA)
+        self._traces = {}  # (function, options) -> its trace for _signature(); without XLA, for all shapes
         self.compilations = 0  # since the last take_compilations()
         self.compile_seconds = 0.0  # those calls' time: trace, compilation (or cache load), one step
         self.replica = ReplicaPass(

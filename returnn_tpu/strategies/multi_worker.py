@@ -18,7 +18,9 @@ in packs of ``bucket_bytes`` (few large all-reduces, not one per variable).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 
@@ -60,7 +62,9 @@ def communication_options(collective_timeout, bucket_bytes: int):
 def startup_deadline(cluster_resolver, startup_timeout: float):
     """Ends this process with an error naming the missing workers if start-up takes too long.
 
-    See :mod:`returnn_tpu.strategies.startup_watchdog` for why this is a separate process.
+    See :mod:`returnn_tpu.strategies.startup_watchdog` for why this is a separate process. Meanwhile
+    SIGHUP, the watchdog's signal, runs C's ``_exit(1)`` (signal number 1 as the status) without
+    the GIL that TensorFlow holds; the process's own SIGHUP handler is back afterwards.
     """
     spec = cluster_resolver.cluster_spec()
     own = f"{cluster_resolver.task_type}:{cluster_resolver.task_id}"
@@ -76,11 +80,16 @@ def startup_deadline(cluster_resolver, startup_timeout: float):
          str(startup_timeout), own.replace(":", " "), *peers],
         stdin=subprocess.PIPE,
     )
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    previous = libc.signal(signal.SIGHUP, ctypes.cast(libc._exit, ctypes.c_void_p))
     try:
         yield
     finally:
         watchdog.stdin.close()
         watchdog.wait()
+        libc.signal(signal.SIGHUP, previous)
 
 
 class TimedCollectiveExtended(car.CollectiveAllReduceExtended):

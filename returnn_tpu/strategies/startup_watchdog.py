@@ -4,7 +4,11 @@ TensorFlow's multi-worker start-up blocks in C++ while holding the GIL, waiting 
 a job should for workers that never come; no Python thread or signal handler in the worker
 can run then. This watchdog runs beside it: if the worker has not closed the watchdog's stdin
 within the timeout, it probes the other workers' ports, prints one line naming those that do
-not answer, and kills the worker (exit status 1 of the watchdog, SIGKILL for the worker).
+not answer, and sends the worker SIGHUP. During its start-up the worker handles SIGHUP by C's
+``_exit`` itself (:func:`returnn_tpu.strategies.multi_worker.startup_deadline`), which needs no
+GIL and makes the exit status 1 (SIGHUP is signal 1): docs/faults.md's status of a failure to
+look at, not 137, which a job loop reads as an OOM kill. A worker still there after
+:data:`SIGKILL_AFTER_SECONDS` gets SIGKILL.
 
     python -m returnn_tpu.strategies.startup_watchdog PID TIMEOUT OWN_NAME NAME=HOST:PORT ...
 """
@@ -16,6 +20,9 @@ import select
 import signal
 import socket
 import sys
+import time
+
+SIGKILL_AFTER_SECONDS = 5.0
 
 
 def unanswered(peers: dict, timeout_seconds: float = 1.0) -> list:
@@ -42,6 +49,14 @@ def main(argv):
         f"(distribute_options['startup_timeout']); no answer from {', '.join(missing) or 'a worker that has not joined'}\n"
     )
     sys.stderr.flush()
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + SIGKILL_AFTER_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 1
+        time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     return 1
 
