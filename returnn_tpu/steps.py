@@ -64,7 +64,7 @@ class ReplicaSteps:
         self.first_replica = worker_index * self.local_replicas  # global index of this worker's first
         self.jit_compile = jit_compile
         self._run_shapes = set()  # batch shapes train() has run (with XLA, each new one compiles)
-        self._traces = {}  # (function, options) -> its trace for _signature(); without XLA, for all shapes
+        self._traces = {}  # (function, options) -> (its trace for _signature(), signature); no XLA: all shapes
         self.compilations = 0  # since the last take_compilations()
         self.compile_seconds = 0.0  # those calls' time: trace, compilation (or cache load), one step
         self.replica = ReplicaPass(
@@ -187,10 +187,12 @@ class ReplicaSteps:
 
     def _trace(self, function, args: tuple, **options):
         """``function``'s trace for :meth:`_signature` of ``args`` (the batches first) and these
-        keyword ``options``, made on the first call and kept."""
+        keyword ``options``, made on the first call and kept, with the Python signature its
+        arguments are bound by."""
         key = (function, tuple(sorted(options.items())))
         if key not in self._traces:
-            self._traces[key] = function.get_concrete_function(self._signature(args[0]), *args[1:], **options)
+            self._traces[key] = (function.get_concrete_function(self._signature(args[0]), *args[1:], **options),
+                                 inspect.signature(function.python_function))
         return self._traces[key]
 
     def _call(self, function, args: tuple, **options):
@@ -200,9 +202,10 @@ class ReplicaSteps:
         dispatch per call"). With XLA, through ``tf.function``, which compiles each bucket's shape."""
         if self.jit_compile:
             return function(*args, **options)
-        arguments = inspect.signature(function.python_function).bind(*args, **options)
+        trace, parameters = self._trace(function, args, **options)
+        arguments = parameters.bind(*args, **options)
         arguments.apply_defaults()  # a concrete function takes every argument, defaults too
-        return self._trace(function, args, **options)(*arguments.args, **arguments.kwargs)
+        return trace(*arguments.args, **arguments.kwargs)
 
     # ---- traced ---------------------------------------------------------------------------------
 

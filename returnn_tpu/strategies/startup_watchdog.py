@@ -51,13 +51,10 @@ def main(argv):
     sys.stderr.flush()
     os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + SIGKILL_AFTER_SECONDS
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return 1
+    while os.getppid() == pid and time.monotonic() < deadline:  # the worker is our parent until it ends
         time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
+    if os.getppid() == pid:
+        os.kill(pid, signal.SIGKILL)
     return 1
 
 
