@@ -88,14 +88,20 @@ def normalize(sentence: str):
 
 
 def pick_sentences(path: str, count: int, seed: int) -> List[str]:
-    """``count`` distinct normalized sentences of the file, drawn by a seeded shuffle."""
+    """``count`` normalized sentences of the file, drawn by a seeded shuffle: distinct while the
+    file has enough (the Brown training text has about 29,000), then the shuffled list again from
+    its start. A repeated sentence is another utterance: its voice, speed and pitch are drawn anew
+    (``speak``'s seed is the utterance's index), as a corpus read by several speakers would have."""
     with open(path, encoding="utf-8") as f:
         found = dict.fromkeys(s for s in (normalize(line) for line in f) if s)
     sentences = sorted(found)
     random.Random(seed).shuffle(sentences)
+    if not sentences:
+        raise SystemExit(f"speech_corpus.py: {path} has no usable sentence")
     if len(sentences) < count:
-        raise SystemExit(f"speech_corpus.py: {path} has only {len(sentences)} usable sentences, {count} asked")
-    return sentences[:count]
+        print(f"speech_corpus.py: {path} has {len(sentences)} usable sentences; {count} utterances repeat them "
+              f"with other voices", file=sys.stderr)
+    return [sentences[index % len(sentences)] for index in range(count)]
 
 
 def speak(job: Tuple[str, str, str]) -> Tuple[str, bytes, float, float]:

@@ -180,6 +180,8 @@ class EpochBatches:
     def _raw_batch(self, dataset, batch) -> Batch:
         from returnn.engine.batch import batch_to_raw_dict
 
+        if "seq_tag" not in self.data_keys:
+            dataset = _Untagged(dataset)
         raw = batch_to_raw_dict(batch, dataset=dataset, extern_data=self.extern_data, data_keys=self.data_keys)
         out = {}
         for key in self.data_keys:
@@ -242,6 +244,24 @@ class EpochBatches:
     def __iter__(self) -> Iterator[Tuple[List[Batch], List[float]]]:
         """The steps, read on a background thread ``prefetch`` steps ahead."""
         return read_ahead(self.steps(), self.prefetch, name="returnn_tpu batches")
+
+
+class _Untagged:
+    """``dataset`` as RETURNN's ``batch_to_raw_dict`` reads it for a network without a ``seq_tag``
+    input: every sequence's tag is ``""``. ``batch_to_raw_dict`` asks the dataset for each
+    sequence's tag whatever the data keys, and training drops them; ``HDFDataset`` reads each from
+    its file, a quarter of what a batch of 80-dimensional features costs (FACTS.md, "Sequence tags
+    of a batch")."""
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+
+    def __getattr__(self, name: str):
+        return getattr(self._dataset, name)
+
+    @staticmethod
+    def get_tag(seq_idx: int) -> str:
+        return ""
 
 
 class ReadAhead:

@@ -10,11 +10,11 @@ dispatch.
 Per epoch the trainer sends what the batches depend on (the network's data keys, whether it is
 recurrent, RETURNN's batching options, the replicas' slots); the producer starts the epoch
 (RETURNN's ``init_seq_order``) and says so, then, after the trainer's ``go`` (the step to begin
-at), makes the steps as they are taken and writes each step's arrays into a new POSIX shared
-memory block, at most ``data_prefetch`` steps ahead, until the data ends (``end``) or the trainer
-says ``stop`` (where all workers agreed the epoch ends: :class:`returnn_tpu.epochs.TrainEpoch`). Only the block's
-name and the arrays' layout travel through the queue; the trainer copies the arrays out (one
-``memcpy``) and frees the block.
+at), makes the steps as they are taken and writes each step's arrays into a POSIX shared memory
+block of a ring it reuses, at most ``data_prefetch`` steps ahead, until the data ends (``end``) or
+the trainer says ``stop`` (where all workers agreed the epoch ends:
+:class:`returnn_tpu.epochs.TrainEpoch`). Only the block's name and the arrays' layout travel
+through the queue; the trainer copies the arrays out (one ``memcpy``) and releases the block.
 
 With ``data_producer = "chief"`` and several workers, only worker 0 starts a producer. It makes
 the batches of all replicas of all workers (the same ones each worker's own producer would make,
@@ -48,7 +48,7 @@ import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-from returnn_tpu.producer_blocks import BLOCK_PREFIX, free_block, remove_stale_blocks, take_block
+from returnn_tpu.producer_blocks import BLOCK_PREFIX, BlockReader, remove_stale_blocks
 from returnn_tpu.producer_process import run_producer
 from returnn_tpu.producer_protocol import ProducerError, expect, raise_error
 from returnn_tpu.producer_serving import ServeOptions
@@ -90,13 +90,16 @@ class DataProducer:
             raise ConfigError(f"cannot make the data producer's queue in /dev/shm ({free / 1e3:.0f} kB free there): "
                               f"{exc.strerror or exc}; make /dev/shm larger (docker: --shm-size), or set "
                               "distribute_options['data_producer'] = 'thread'") from None
+        ring = prefetch + 2  # the queue's steps, the one the trainer copies and the one being written
+        released = context.RawValue("q", 0)
+        self._blocks = BlockReader(released, ring)
         setup = dict(config_filename=config_filename, overrides=list(overrides), dataset_key=dataset_key,
                      num_replicas=num_replicas, first_replica=first_replica, distribution=distribution,
-                     all_replicas=all_replicas, serve=serve, loaders=loaders)
+                     all_replicas=all_replicas, serve=serve, loaders=loaders, ring=ring)
         # Not daemonic: a dataset may start processes of its own (DistributeFilesDataset's sub-epoch
         # workers), which a daemonic process may not. close() ends it, also at exit: registered
         # after multiprocessing's own exit handler, it runs before it (which would join the producer).
-        self._process = context.Process(target=run_producer, args=(setup, commands_end, self._results),
+        self._process = context.Process(target=run_producer, args=(setup, commands_end, self._results, released),
                                         name="returnn_tpu data producer", daemon=False)
         self._process.start()
         self._names_dropped = False
@@ -134,15 +137,13 @@ class DataProducer:
     def alive(self) -> bool:
         return self._process.is_alive()
 
-    @staticmethod
-    def unpack(message) -> List[dict]:
-        """The batches of a ``step`` message (taken out of its shared memory block)."""
-        return take_block(*message[1:3])
+    def unpack(self, message) -> List[dict]:
+        """The batches of a ``step`` message (copied out of its shared memory block)."""
+        return self._blocks.take(*message[1:3])
 
-    @staticmethod
-    def discard(message):
-        """Frees what a ``step`` message that training does not take holds."""
-        free_block(message[1])
+    def discard(self, message):
+        """Releases the block of a ``step`` message that training does not take."""
+        self._blocks.release()
 
     def receive(self, what: str = "a batch", while_waiting: Optional[Callable[[], None]] = None):
         """The next message from the producer; :class:`ProducerError` if it failed, died, or was
@@ -176,8 +177,7 @@ class DataProducer:
             return message
 
     def close(self):
-        """Ends the producer process (also called at the trainer's exit) and frees the blocks
-        it made that training did not take.
+        """Ends the producer process (also called at the trainer's exit) and removes its blocks.
 
         Its command pipe is closed first: the producer then returns, and its datasets end the
         processes they started in order (``DistributeFilesDataset``'s sub-epoch loader, the
@@ -193,7 +193,8 @@ class DataProducer:
             self._process.kill()
         self._process.join()
         self._discard_results()
-        for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # made, not yet handed over
+        self._blocks.close()
+        for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{self.pid}_*"):  # the producer's ring
             os.remove(path)
 
     def _discard_results(self):

@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Optional
 
-from returnn_tpu.producer_blocks import put_block
+from returnn_tpu.producer_blocks import BlockWriter
 from returnn_tpu.producer_protocol import ProducerError, expect
 from returnn_tpu.producer_serving import ServeOptions, WorkerConnections
 
@@ -27,8 +27,9 @@ LOADER_EXIT_SECONDS = 1.0  # a loader whose pipe broke is found dead within this
 MATH_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def run_producer(setup: dict, commands, results):
-    """The producer process: answers the trainer's commands until ``exit`` (or its death)."""
+def run_producer(setup: dict, commands, results, released):
+    """The producer process: answers the trainer's commands until ``exit`` (or its death).
+    ``released``: how many steps the trainer has taken out of their blocks (:class:`BlockWriter`)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow looks: the producer computes nothing on a GPU
     from returnn_tpu.launcher import STOP_SIGNALS, die_with_parent
 
@@ -37,6 +38,7 @@ def run_producer(setup: dict, commands, results):
     for signum in STOP_SIGNALS:  # the trainer decides when to stop
         signal.signal(signum, signal.SIG_IGN)
     workers = None
+    blocks = BlockWriter(released, setup["ring"])
     try:
         serve: Optional[ServeOptions] = setup["serve"]
         if serve:
@@ -49,7 +51,7 @@ def run_producer(setup: dict, commands, results):
             kind, payload = commands.recv()  # closed by the trainer: EOFError
             if kind == "epoch":
                 try:
-                    _produce_epoch(epochs, payload, commands, results, workers)
+                    _produce_epoch(epochs, payload, commands, results, workers, blocks)
                 except (EOFError, OSError):  # the trainer's pipe closed, or a loader's (it died)
                     epochs.check_loaders()
                     raise
@@ -127,7 +129,8 @@ class _EpochMaker:
         return EpochBatches(self.datasets, extern_data=extern_data, prefetch=1, **request)
 
 
-def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, workers: Optional[WorkerConnections]):
+def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, workers: Optional[WorkerConnections],
+                   blocks: BlockWriter):
     """Epoch ``request["epoch"]``: started (and the other workers, which ask for the same epoch,
     told), then, after the trainer's ``go``, each step's batches, until the data ends or the
     trainer says ``stop``."""
@@ -151,11 +154,11 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
             break
         if workers:
             own_batches, own_weights = workers.own_part(step_batches, weights, 0)
-            results.put(("step", *put_block(own_batches), own_weights))
+            results.put(("step", *blocks.put(own_batches), own_weights))
             for worker in others:
                 workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
         else:
-            results.put(("step", *put_block(step_batches), weights))
+            results.put(("step", *blocks.put(step_batches), weights))
     results.put(("end", batches.batching.take_counters()))
     for worker in others:
         workers.send(worker, ("end", {}))

@@ -94,13 +94,14 @@ def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distrib
                         assert our_batch[key].dtype == value.dtype and our_batch[key].shape == value.shape, key
                         assert our_batch[key].tobytes() == value.tobytes(), key
             assert batching.take_counters() == expected_counters  # the producer's padding counts come back
-            assert not _blocks_of(producer)  # every step's block was freed when it was taken (before close)
+            assert 1 <= len(_blocks_of(producer)) <= 2 + 2  # one ring (prefetch + 2), reused step after step
         with open(f"/proc/{producer.pid}/maps") as maps:  # its memory is the data's, not TensorFlow's
             assert "libtensorflow" not in maps.read()
         loader_pids = _spawned_children(producer.pid)
         assert len(loader_pids) == (loaders if loaders > 1 else 0), loader_pids
     finally:
         producer.close()
+    assert not _blocks_of(producer)
     assert not _running(loader_pids, within=10)  # they end with the producer (killed by close)
 
 
@@ -464,6 +465,47 @@ def test_a_full_dev_shm_is_one_line(tmp_path):
     assert errors == ["returnn-tpu: error: cannot make the data producer's queue in /dev/shm (0 kB free there): No "
                       "space left on device; make /dev/shm larger (docker: --shm-size), or set "
                       "distribute_options['data_producer'] = 'thread'"], errors
+
+
+def test_a_ring_block_is_reused_only_once_the_trainer_has_released_its_step():
+    """The producer writes step n into the block of step n - ring only after the trainer has
+    copied that one out; a step larger than its slot's block gets a new block, the old one
+    unlinked; what the trainer copied stays as it was."""
+    import multiprocessing
+    import threading
+
+    import numpy
+
+    from returnn_tpu.producer_blocks import BlockReader, BlockWriter
+
+    released = multiprocessing.get_context("spawn").RawValue("q", 0)
+    writer, reader = BlockWriter(released, ring=2), BlockReader(released, ring=2)
+    ours = f"{BLOCK_PREFIX}{os.getpid()}_"
+    try:
+        steps = [[{"data": numpy.full((2, frames), step, dtype="float32"), "n": step}]
+                 for step, frames in enumerate([3, 3, 2, 50])]
+        handed = [writer.put(steps[0]), writer.put(steps[1])]
+        names = {name for name, _ in handed}
+        assert len(names) == 2 and names == {n for n in os.listdir("/dev/shm") if n.startswith(ours)}
+        third = threading.Thread(target=lambda: handed.append(writer.put(steps[2])))
+        third.start()
+        third.join(timeout=0.3)
+        assert third.is_alive()  # step 0's block is not yet released
+        taken = [reader.take(*handed[0])]
+        third.join(timeout=5)
+        assert not third.is_alive() and handed[2][0] == handed[0][0]  # step 0's block again
+        taken += [reader.take(*handed[1]), reader.take(*handed[2])]
+        handed.append(writer.put(steps[3]))  # 50 frames: step 1's block is too small
+        assert handed[3][0] not in names and handed[1][0] not in os.listdir("/dev/shm")
+        taken.append(reader.take(*handed[3]))
+        for step, batches in zip(steps, taken):
+            assert batches[0]["n"] == step[0]["n"]
+            numpy.testing.assert_array_equal(batches[0]["data"], step[0]["data"])
+    finally:
+        reader.close()
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(ours):
+                os.remove(f"/dev/shm/{name}")
 
 
 def test_blocks_of_a_gone_producer_are_removed_with_one_line_to_the_current_stderr(capsys):
