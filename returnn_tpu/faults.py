@@ -137,6 +137,19 @@ class StopRequest:
         self.stop_at = stop_at
         self.kill_grace = kill_grace
         self.signum: Optional[int] = None
+        self._warned = False
+
+    def check_grace(self, what: str, seconds: float):
+        """Under ``mpirun``: says once, in one line, that ``what`` (a step, a save) takes longer
+        than the launcher's grace, so that a stop signal (``qdel``, preemption) in the middle of
+        it is followed by SIGKILL before anything is written, and names the MCA parameter to raise."""
+        if self.kill_grace is None or seconds <= self.kill_grace or self._warned:
+            return
+        self._warned = True
+        print(f"returnn-tpu: warning: {what} took {seconds:.1f} s, and mpirun kills the ranks {self.kill_grace:g} s after "
+              "it forwards a stop signal (Open MPI's odls_base_sigkill_timeout): after a SIGTERM during one, nothing "
+              "of this epoch may be written; give more, e.g. mpirun --mca odls_base_sigkill_timeout 60",
+              file=self.log.v1)
 
     def handle(self, signum: int, _frame=None):
         """Signal handler: stop at the next step boundary. A second signal ends the process at

@@ -295,7 +295,11 @@ class Trainer:
         # The checkpoint last: a run resumes after the newest checkpoint, so an epoch whose dev
         # evaluation or record failed (a dataset that raises, a full disk) is trained again, and
         # learning_rate_file and metrics.jsonl never miss an epoch that has a checkpoint.
+        if stats.steps:
+            self.stop_request.check_grace("a step", stats.step_seconds / stats.steps)
+        saving = time.perf_counter()
         self.checkpoints.save_epoch(epoch, self.learning_rate_control)
+        self.stop_request.check_grace("saving the model", time.perf_counter() - saving)
 
     def _stop_if_requested(self, epoch: int, step: int, stats: EpochStats):
         """Before step ``step``: if a stop signal is due on any worker

@@ -347,6 +347,29 @@ def test_nonfinite_updates_skipped_on_request(tmp_path):
     assert all(numpy.isfinite(value).all() for value in saved.values())
 
 
+def test_a_step_or_save_longer_than_mpiruns_grace_is_said_once_naming_the_mca_parameter():
+    """Under ``mpirun`` (a grace from its stop signal to SIGKILL), the first step time or save
+    time over it gets one line; shorter ones and later ones nothing; without mpirun, nothing."""
+    import io
+    import types
+
+    from returnn_tpu.faults import StopRequest
+
+    log = types.SimpleNamespace(v1=io.StringIO())
+    under_mpirun = StopRequest(None, 2, log, kill_grace=1.0)
+    under_mpirun.check_grace("saving the model", 0.4)
+    assert log.v1.getvalue() == ""
+    under_mpirun.check_grace("a step", 6.5)
+    under_mpirun.check_grace("saving the model", 3.0)
+    lines = log.v1.getvalue().splitlines()
+    assert lines == ["returnn-tpu: warning: a step took 6.5 s, and mpirun kills the ranks 1 s after it forwards a stop "
+                     "signal (Open MPI's odls_base_sigkill_timeout): after a SIGTERM during one, nothing of this epoch "
+                     "may be written; give more, e.g. mpirun --mca odls_base_sigkill_timeout 60"]
+    alone = StopRequest(None, 1, log)
+    alone.check_grace("a step", 100.0)
+    assert log.v1.getvalue().splitlines() == lines
+
+
 def test_a_diverged_model_is_never_written(tmp_path):
     """A learning rate of 1e38 overflows the parameters themselves; the run stops, unsaved."""
     from returnn_tpu.faults import NonFiniteScore
