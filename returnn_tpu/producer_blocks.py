@@ -42,9 +42,14 @@ class BlockReader:
         self._open: Dict[str, object] = {}  # name -> SharedMemory, oldest first
 
     def _block(self, name: str):
-        from multiprocessing import shared_memory
+        from multiprocessing import resource_tracker, shared_memory
 
-        block = self._open.pop(name, None) or shared_memory.SharedMemory(name=name)
+        block = self._open.pop(name, None)
+        if block is None:
+            block = shared_memory.SharedMemory(name=name)
+            # Python < 3.13 has this process's resource tracker unlink, and warn of, every block it
+            # opened when it exits; the producer's blocks are removed by DataProducer.close.
+            resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 (CPython's own name for it)
         self._open[name] = block  # now the newest
         while len(self._open) > self.ring:  # replaced by a larger one: the producer has unlinked it
             self._open.pop(next(iter(self._open))).close()
@@ -123,7 +128,12 @@ class BlockWriter:
 
 
 def _unlink(block):
+    """Unlinks a block made by :func:`_new_block`. ``SharedMemory.unlink`` also tells the resource
+    tracker (which the trainer and the producer share) to forget the name, so it is told of it first."""
+    from multiprocessing import resource_tracker
+
     block.close()
+    resource_tracker.register(block._name, "shared_memory")  # noqa: SLF001 (CPython's own name for it)
     block.unlink()
 
 

@@ -338,6 +338,8 @@ def test_a_dataset_slower_than_training_is_named_in_the_log(tmp_path):
     (tmp_path / "train.config").write_text(config)
     result = run_cli(["train.config", "++log", "out/train.log"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The trainer opened the producer's blocks, but did not leave its resource tracker to remove them.
+    assert "resource_tracker" not in result.stderr, result.stderr[-3000:]
     from test_cli import read_metrics
 
     metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
