@@ -468,3 +468,27 @@ def test_two_workers_train_local_copies_and_combine_them_every_n_updates(tmp_pat
             numpy.testing.assert_allclose(kernels[0][step], kernels[1][step], rtol=1e-6)
     # int8: 5 values in one block of 16 words and a scale, 68 bytes a sync
     assert all('stats {"updates": 6, "syncs": 2, "bytes": 136}' in output for output in outputs)
+
+
+def test_a_tf2_programs_start_up_timeout_names_the_missing_worker_and_the_constructors_option(tmp_path):
+    """A TF2 program whose second worker never comes: one line naming that worker and the
+    constructor's ``startup_timeout`` (a TF2 user never wrote ``distribute_options``), exit 1.
+    (An exception the program could catch is not possible: TensorFlow's start-up holds the GIL.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from returnn_tpu.launcher import free_local_ports
+
+    (tmp_path / "worker.py").write_text("from returnn_tpu.strategies import MultiWorkerLocalSGDStrategy\n"
+                                        "MultiWorkerLocalSGDStrategy(startup_timeout=5, param_sync_step=3)\n")
+    ports = free_local_ports(2)
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]}, "task": {"type": "worker", "index": 0}}
+    result = subprocess.run([sys.executable, "worker.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(tf_config)))
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("returnn-tpu: error:")]
+    assert errors == [f"returnn-tpu: error: worker 0: the cluster did not come up within 5 s "
+                      f"(MultiWorkerLocalSGDStrategy(startup_timeout=...)); no answer from worker 1 (127.0.0.1:{ports[1]})"]

@@ -59,8 +59,9 @@ def communication_options(collective_timeout, bucket_bytes: int):
 
 
 @contextlib.contextmanager
-def startup_deadline(cluster_resolver, startup_timeout: float):
-    """Ends this process with an error naming the missing workers if start-up takes too long.
+def startup_deadline(cluster_resolver, startup_timeout: float, option: str):
+    """Ends this process with an error naming the missing workers if start-up takes too long;
+    the error names ``option``, where the user set the timeout.
 
     See :mod:`returnn_tpu.strategies.startup_watchdog` for why this is a separate process. Meanwhile
     SIGHUP, the watchdog's signal, runs C's ``_exit(1)`` (signal number 1 as the status) without
@@ -77,7 +78,7 @@ def startup_deadline(cluster_resolver, startup_timeout: float):
     # The file itself, not ``-m``: the package's __init__ would import TensorFlow (seconds of CPU).
     watchdog = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(startup_watchdog.__file__), str(os.getpid()),
-         str(startup_timeout), own.replace(":", " "), *peers],
+         str(startup_timeout), option, own.replace(":", " "), *peers],
         stdin=subprocess.PIPE,
     )
     libc = ctypes.CDLL(None)
@@ -100,12 +101,15 @@ class TimedCollectiveExtended(car.CollectiveAllReduceExtended):
     _check_health_interval = 5
     _check_health_timeout = 5
     _check_health_retry_limit = 3
+    startup_option = "distribute_options['startup_timeout']"  # where the user sets it, for the error
 
     def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float):
         if cluster_resolver is None:
             cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         one_process = not cluster_resolver.cluster_spec().jobs  # nothing to wait for
-        with contextlib.nullcontext() if one_process else startup_deadline(cluster_resolver, startup_timeout):
+        deadline = (contextlib.nullcontext() if one_process
+                    else startup_deadline(cluster_resolver, startup_timeout, self.startup_option))
+        with deadline:
             super().__init__(container_strategy, cluster_resolver=cluster_resolver, communication_options=options)
 
 
@@ -145,6 +149,8 @@ class TrainerMultiWorkerLocalSGDStrategy(_MultiWorkerStrategy):
 
 class ScheduledMultiWorkerLocalSGDExtended(ScheduledLocalSGDMixin, MultiWorkerLocalSGDExtended):
     """:class:`ScheduledLocalSGDMixin` over all replicas of all workers."""
+
+    startup_option = "MultiWorkerLocalSGDStrategy(startup_timeout=...)"
 
     def __init__(self, container_strategy, cluster_resolver, communication, startup_timeout: float, local_sgd_options):
         super().__init__(container_strategy, cluster_resolver, communication, startup_timeout)

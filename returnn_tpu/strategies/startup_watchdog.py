@@ -10,7 +10,9 @@ GIL and makes the exit status 1 (SIGHUP is signal 1): docs/faults.md's status of
 look at, not 137, which a job loop reads as an OOM kill. A worker still there after
 :data:`SIGKILL_AFTER_SECONDS` gets SIGKILL.
 
-    python -m returnn_tpu.strategies.startup_watchdog PID TIMEOUT OWN_NAME NAME=HOST:PORT ...
+    python -m returnn_tpu.strategies.startup_watchdog PID TIMEOUT OPTION OWN_NAME NAME=HOST:PORT ...
+
+(``OPTION``: where the user set the timeout, named in the error.)
 """
 
 from __future__ import annotations
@@ -38,15 +40,15 @@ def unanswered(peers: dict, timeout_seconds: float = 1.0) -> list:
 
 
 def main(argv):
-    pid, timeout, own = int(argv[0]), float(argv[1]), argv[2]
-    peers = dict(arg.split("=", 1) for arg in argv[3:])
+    pid, timeout, option, own = int(argv[0]), float(argv[1]), argv[2], argv[3]
+    peers = dict(arg.split("=", 1) for arg in argv[4:])
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     if ready:  # the worker closed our stdin (start-up done) or died
         return 0
     missing = unanswered(peers)
     sys.stderr.write(
         f"returnn-tpu: error: {own}: the cluster did not come up within {timeout:g} s "
-        f"(distribute_options['startup_timeout']); no answer from {', '.join(missing) or 'a worker that has not joined'}\n"
+        f"({option}); no answer from {', '.join(missing) or 'a worker that has not joined'}\n"
     )
     sys.stderr.flush()
     os.kill(pid, signal.SIGHUP)
