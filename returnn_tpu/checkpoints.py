@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
+import json
 import os
 import re
 import shutil
@@ -122,15 +123,18 @@ class ResumePoint(NamedTuple):
     prefix: Optional[str]
     interrupted: bool
     replicas_before: Optional[int] = None
+    data: Optional[dict] = None  # where the data streams stood there (read_stream_points)
 
 
 class SyncPoint(NamedTuple):
     """Where every worker's copies were last combined: in ``epoch`` after ``steps_done`` of its
-    steps, ``updates`` updates since the run began."""
+    steps, ``updates`` updates since the run began; ``data``: where this worker's data streams
+    stood there (:meth:`returnn_tpu.epochs.EpochData.stream_points`)."""
 
     epoch: int
     steps_done: int
     updates: int
+    data: Optional[dict] = None
 
 
 class Interrupted(NamedTuple):
@@ -207,6 +211,40 @@ def remove_interrupted(model_filename: str, keep: Optional[str] = None):
         if prefix != keep:
             for path in glob.glob(glob.escape(prefix) + ".*"):
                 os.remove(path)
+
+
+STREAMS_MARK = ".streams-worker"  # <interrupted prefix>.streams-worker<N>.json: worker N's data streams
+
+
+def write_stream_points(prefix: str, worker: int, *, epoch: int, steps_done: int, streams: dict):
+    """Writes, beside the interrupted checkpoint ``prefix``, where worker ``worker``'s data streams
+    stood after ``steps_done`` steps of ``epoch`` (by stream: a StreamPoint, or why none), so that
+    resume continues them there (docs/faults.md, "Resuming without replay"). Each worker writes
+    its own file, atomically; :func:`remove_interrupted` removes them with the checkpoint."""
+    path = f"{prefix}{STREAMS_MARK}{worker}.json"
+    tmp = f"{prefix}{TMP_MARK}{os.getpid()}{STREAMS_MARK}{worker}.json"
+    try:
+        with open(tmp, "w") as file:
+            json.dump({"epoch": epoch, "steps_done": steps_done, "streams": streams}, file)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointWriteError.of(path, exc) from None
+
+
+def read_stream_points(prefix: str, epoch: int, steps_done: int) -> dict:
+    """Where the data streams of all workers stood at the interrupted checkpoint ``prefix`` (after
+    ``steps_done`` steps of ``epoch``): the files :func:`write_stream_points` wrote for that point,
+    merged (none: an empty dict; the epoch is then continued by making what it passes over)."""
+    streams = {}
+    for path in sorted(glob.glob(glob.escape(prefix + STREAMS_MARK) + "*.json")):
+        try:
+            with open(path) as file:
+                found = json.load(file)
+        except (OSError, ValueError):
+            continue  # unreadable: those streams replay
+        if (found.get("epoch"), found.get("steps_done")) == (epoch, steps_done):
+            streams.update(found.get("streams") or {})
+    return streams
 
 
 def remove_stale_temporaries(model_filename: str, log_file=None):
@@ -317,17 +355,19 @@ class RunCheckpoints:
     ``networks`` (:class:`returnn_tpu.networks.EpochNetworks`) names an epoch's file (pretrain
     epochs have their own names); ``builder`` holds the current network's variables, ``optimizer``
     its state, ``averaging`` (local SGD; None otherwise) the anchors and outer momenta. Only the
-    chief (worker 0) writes.
+    chief (worker 0) writes the model; each worker writes where its data streams stood beside an
+    interrupted checkpoint.
     """
 
     def __init__(self, config, networks, builder, optimizer, averaging, *, num_epochs: int, num_replicas: int,
-                 chief: bool, log):
+                 worker_index: int, log):
         self.config = config
         self.networks = networks
         self.builder = builder
         self.optimizer = optimizer
         self.averaging = averaging
-        self.chief = chief
+        self.worker_index = worker_index
+        self.chief = worker_index == 0
         self.log = log
         self.model_filename = config.value("model", None)  # startup.check_config: set
         self.num_epochs = num_epochs  # the last epoch is always saved
@@ -382,7 +422,8 @@ class RunCheckpoints:
             os.makedirs(os.path.dirname(os.path.abspath(self.model_filename)), exist_ok=True)
         found = self.interrupted(start_epoch)
         if found:
-            return ResumePoint(found.epoch, found.steps_done, found.prefix, True, found.num_replicas)
+            return ResumePoint(found.epoch, found.steps_done, found.prefix, True, found.num_replicas,
+                               read_stream_points(found.prefix, found.epoch, found.steps_done))
         return ResumePoint(start_epoch, 0, self.newest(), False)
 
     # ---- contents -----------------------------------------------------------------------------
@@ -464,9 +505,12 @@ class RunCheckpoints:
         if self.config.bool_or_other("cleanup_old_models", None):
             cleanup_old_models(self.config, learning_rate_control)
 
-    def save_interrupted(self, epoch: int, steps_done: int) -> str:
-        """The combined model of ``epoch`` stopped after ``steps_done`` steps (chief writes); its prefix."""
+    def save_interrupted(self, epoch: int, steps_done: int, streams: Optional[dict]) -> str:
+        """The combined model of ``epoch`` stopped after ``steps_done`` steps (chief writes), and
+        where this worker's data ``streams`` stood (every worker writes its own); its prefix."""
         prefix = self.epoch_filename(epoch) + INTERRUPTED_MARK
+        if streams:
+            write_stream_points(prefix, self.worker_index, epoch=epoch, steps_done=steps_done, streams=streams)
         if self.chief:
             with self._naming_the_last_good():
                 save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done,
@@ -475,10 +519,11 @@ class RunCheckpoints:
 
     # ---- the model of the last sync, for a lost worker -------------------------------------------
 
-    def synced(self, epoch: int, steps_done: int, updates: int):
+    def synced(self, epoch: int, steps_done: int, updates: int, streams: Optional[dict] = None):
         """Every worker's copies were combined after ``steps_done`` steps of ``epoch`` (``updates``
-        updates since the run began): the point a survivor of a lost worker goes back to."""
-        self.last_sync = SyncPoint(epoch, steps_done, updates)
+        updates since the run began; this worker's data ``streams`` stood at ``streams``): the
+        point a survivor of a lost worker goes back to."""
+        self.last_sync = SyncPoint(epoch, steps_done, updates, streams)
 
     def save_after_peer_loss(self, synced_model: Optional[Mapping[str, tf.Variable]]) -> Optional[str]:
         """After a worker was lost: this survivor writes the model of the last sync as the
@@ -498,6 +543,9 @@ class RunCheckpoints:
                 state[name] = tf.cast(value, state[name].dtype)
         state["global_step"] = tf.constant(point.updates, tf.int64)  # the updates that count
         with self._naming_the_last_good():
+            if point.data:
+                write_stream_points(prefix, self.worker_index, epoch=point.epoch, steps_done=point.steps_done,
+                                    streams=point.data)
             try:
                 with _exclusive(self.model_filename + ".interrupted.lock"):
                     written = interrupted(self.model_filename, point.epoch)

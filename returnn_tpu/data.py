@@ -46,6 +46,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 from returnn_tpu.batching import Batch, BatchingOptions, size_key
 from returnn_tpu.datasets import init_seq_order
 from returnn_tpu.errors import ConfigError, DatasetError
+from returnn_tpu.positions import ContinuedDataset, StepPoints, StreamPoint, position_after, why_not_continuable
 
 
 def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
@@ -81,13 +82,14 @@ def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
     return batches[: len(batches) - len(tail)] + recut
 
 
-def dealt_stream(batches: Iterable, num_slots: int, *, recurrent: bool) -> Iterator:
+def dealt_stream(batches: Iterable, num_slots: int, *, recurrent: bool, before: int = 0) -> Iterator:
     """``batches`` (a stream), the last few re-cut as :func:`deal_evenly` re-cuts a whole epoch's
     list, so that their number is a multiple of ``num_slots``: the same batches, without knowing
     the epoch's length in advance. The tail to re-cut is at most ``2 * num_slots - 1`` batches
-    long, so that many are held back."""
+    long, so that many are held back. ``before``: the epoch's batches before the stream's first
+    (a stream continued from a :data:`returnn_tpu.positions.Position`)."""
     held: "collections.deque" = collections.deque()
-    handed_out = 0
+    handed_out = before
     for batch in batches:
         held.append(batch)
         if len(held) >= 2 * num_slots:
@@ -107,6 +109,9 @@ def release_seqs_before(dataset, seq_idx: int):
     dataset.load_seqs(seq_idx, seq_idx)
 
 
+_AFTER = "returnn_tpu_after"  # the StreamPoint after a batch, as an attribute of RETURNN's Batch
+
+
 class EpochBatches:
     """The steps of one epoch, made as they are taken: each step has one padded batch per local
     replica.
@@ -124,7 +129,9 @@ class EpochBatches:
     With ``pad_last`` (evaluation), the last, incomplete group of a dealt dataset is kept and
     filled with weight-0 copies of the last batch, so every batch is seen exactly once.
     Iterating yields ``(batches, weights)``; data is read on a background thread, ``prefetch``
-    steps ahead. :attr:`start_seconds` is what RETURNN's ``init_seq_order`` took.
+    steps ahead. :attr:`start_seconds` is what RETURNN's ``init_seq_order`` took. For training,
+    :attr:`positions` (:class:`StepPoints`) holds where each step leaves its batches' streams:
+    what :meth:`start_at` continues from.
     """
 
     def __init__(
@@ -155,15 +162,22 @@ class EpochBatches:
         self.epoch = epoch
         self.first_step = 0
         self.batch_offset = 0  # see start_at
+        self.continue_from: List[Optional[StreamPoint]] = [None] * len(self.datasets)
+        self.positions = StepPoints()
         start = time.perf_counter()
         for dataset in self.datasets:
             init_seq_order(dataset, epoch)
         self.start_seconds = time.perf_counter() - start
+        self._why_not = [why_not_continuable(d, batching, recurrent) if train else "" for d in self.datasets]
 
-    def start_at(self, step: int, batch_offset: int = 0):
-        """Skips the first ``step`` steps (an epoch continued after an interruption); their
-        batches are made (for the order) but not read. Batches depend only on the epoch, so the
-        rest is what the interrupted run would have trained.
+    def start_at(self, step: int, batch_offset: int = 0, points: Optional[Sequence[Optional[StreamPoint]]] = None):
+        """Skips the first ``step`` steps (an epoch continued after an interruption). Batches
+        depend only on the epoch, so the rest is what the interrupted run would have trained.
+
+        ``points`` (one per dataset; None where unknown) is where each dataset's stream stood
+        then (:attr:`positions` of the interrupted run): the stream continues there, without
+        making a sequence before it. A stream without one makes the batches it passes over (for
+        their lengths) but does not read them.
 
         ``batch_offset`` (a dealt dataset only): step ``s`` takes the batches from index
         ``batch_offset + s * num_slots``, to continue an epoch that another number of replicas
@@ -172,10 +186,34 @@ class EpochBatches:
         if batch_offset and len(self.datasets) > 1:
             raise ValueError("a batch offset needs one dataset dealt to the replicas")
         self.first_step, self.batch_offset = step, batch_offset
+        self.continue_from = list(points) if points is not None else [None] * len(self.datasets)
 
-    def _stream(self, dataset) -> Iterator:
-        return self.batching.stream(dataset, recurrent=self.recurrent, used_data_keys=set(self.data_keys),
-                                    train=self.train)
+    def _stream(self, index: int, batches_passed_over: int) -> Tuple[object, Iterator]:
+        """Dataset ``index``'s source (the dataset, or its :class:`ContinuedDataset`) and its
+        batches after the first ``batches_passed_over`` of the epoch, each marked with the
+        :data:`StreamPoint` after it when it can be continued from."""
+        dataset, point = self.datasets[index], self.continue_from[index]
+        source, before = dataset, 0
+        if point is not None and 0 < point[0] <= batches_passed_over and not self._why_not[index]:
+            source, before = ContinuedDataset(dataset, point[1], self.recurrent), point[0]
+        batches = self.batching.stream(source, recurrent=self.recurrent, used_data_keys=set(self.data_keys),
+                                       train=self.train)
+        if self.train and not self._why_not[index]:
+            batches = self._marked(batches, source, before)
+        if len(self.datasets) == 1 and not self.pad_last and self.num_slots > 1:
+            batches = dealt_stream(batches, self.num_slots, recurrent=self.recurrent, before=before)
+        return source, self._passed_over(source, batches, batches_passed_over - before)
+
+    def _marked(self, batches: Iterator, source, count: int) -> Iterator:
+        first_seq = getattr(source, "first_seq", 0)
+        for batch in batches:
+            count += 1
+            setattr(batch, _AFTER, (count, position_after(batch, first_seq, source.ctx_left, self.recurrent)))
+            yield batch
+
+    def _point_after(self, index: int, batch):
+        """The StreamPoint after ``batch`` of dataset ``index``, or why there is none."""
+        return getattr(batch, _AFTER, None) or self._why_not[index] or "the epoch's last batches are re-cut"
 
     def _raw_batch(self, dataset, batch) -> Batch:
         from returnn.engine.batch import batch_to_raw_dict
@@ -202,21 +240,22 @@ class EpochBatches:
 
     def _own_copies(self) -> Iterator[Tuple[List[Batch], List[float]]]:
         """One dataset per replica: a step while every replica has a batch."""
-        streams = [self._passed_over(d, self._stream(d), self.first_step) for d in self.datasets]
-        for step in zip(*streams):
-            yield [self._raw_batch(d, b) for d, b in zip(self.datasets, step)], [1.0] * len(self.datasets)
+        sources, streams = zip(*(self._stream(i, self.first_step) for i in range(len(self.datasets))))
+        for step, batches in enumerate(zip(*streams), start=self.first_step):
+            if self.train:
+                self.positions.record(step, [self._point_after(i, batch) for i, batch in enumerate(batches)])
+            yield [self._raw_batch(d, b) for d, b in zip(sources, batches)], [1.0] * len(self.datasets)
 
     def _dealt(self) -> Iterator[Tuple[List[Batch], List[float]]]:
         """One dataset, its batches dealt to ``num_slots`` replicas in turn; ours are ``slots``."""
-        dataset, n = self.datasets[0], self.num_slots
-        batches = self._stream(dataset)
-        if not self.pad_last and n > 1:
-            batches = dealt_stream(batches, n, recurrent=self.recurrent)
-        batches = self._passed_over(dataset, batches, self.batch_offset + self.first_step * n)
-        while True:
+        n = self.num_slots
+        dataset, batches = self._stream(0, self.batch_offset + self.first_step * n)
+        for step in itertools.count(self.first_step):
             group = list(itertools.islice(batches, n))
             if not group or (len(group) < n and not self.pad_last):
                 return
+            if self.train:
+                self.positions.record(step, [self._point_after(0, group[-1])] * len(self.slots))
             out, weights = [], []
             for slot in self.slots:
                 if slot < len(group):

@@ -67,10 +67,15 @@ class TrainEpoch:
         self.agree_seconds = 0.0
         self.agree_bytes = 0
 
-    def start_at(self, step: int, batch_offset: int = 0):
+    def start_at(self, step: int, batch_offset: int = 0, points=None):
         """Continues the epoch at ``step`` (see :meth:`returnn_tpu.data.EpochBatches.start_at`)."""
-        self.local.start_at(step, batch_offset)
+        self.local.start_at(step, batch_offset, points)
         self.first_step = step
+
+    def positions_after(self, steps_done: int) -> Optional[list]:
+        """Where the stream of each of this worker's batches stands after ``steps_done`` steps
+        (:class:`returnn_tpu.positions.StepPoints`)."""
+        return self.local.positions.after(steps_done)
 
     def steps(self, on_device: Callable) -> Iterator[Tuple[int, tuple]]:
         """``(step, (batches, weights))`` of the epoch, the batches passed through ``on_device``
@@ -257,31 +262,69 @@ class EpochData:
         ahead = max(self.options.data_prefetch, AHEAD_STEPS if self.workers.num_workers > 1 else 0)
         return TrainEpoch(local, self.workers, ahead)
 
-    def continue_epoch(self, batches, steps_done: int, replicas_before: Optional[int] = None) -> Tuple[int, str]:
+    def continue_epoch(self, batches, steps_done: int, replicas_before: Optional[int] = None,
+                       streams: Optional[dict] = None) -> Tuple[int, str]:
         """Has ``batches`` (an epoch's training batches) continue after ``steps_done`` steps that
-        ``replicas_before`` replicas trained (None: as many as now); returns the step it continues
-        at, and what that means when the number of replicas changed (for the log; else "").
+        ``replicas_before`` replicas trained (None: as many as now), from where its data
+        ``streams`` stood then (:meth:`stream_points` of all workers); returns the step it
+        continues at, and what that means for the log ("" when nothing is worth saying).
 
         With each replica walking its own copy of the data (``random_seed_offset``), every
         replica continues its own walk at that step (replicas that are new begin theirs there).
         With the batches dealt to the replicas (``shard``), the rest of the epoch (from batch
         ``steps_done * replicas_before`` on) is dealt to the replicas there are now; when that is
         no whole number of steps, up to ``num_replicas - 1`` batches at the epoch's end are left
-        out (docs/faults.md, "Resuming on other workers").
+        out (docs/faults.md, "Resuming on other workers"). A stream with a recorded point
+        continues there without making a sequence before it; one without makes the batches it
+        passes over (docs/faults.md, "Resuming without replay").
         """
+        if steps_done == 0:
+            return 0, ""
         replicas = f"{self.num_replicas} replica{'s' if self.num_replicas > 1 else ''}"
-        if not replicas_before or replicas_before == self.num_replicas or steps_done == 0:
-            batches.start_at(steps_done)
-            return steps_done, ""
-        if self.options.dataset_distribution == "random_seed_offset" or shards_files(self.config):
-            batches.start_at(steps_done)
-            return steps_done, (f"continues at step {steps_done + 1} ({replicas_before} replicas trained its first "
-                                f"{steps_done} steps): each of the {replicas} continues its own walk through the data")
-        done = steps_done * replicas_before
-        step, offset = divmod(done, self.num_replicas)
-        batches.start_at(step, offset)
-        return step, (f"continues after {done} of its batches ({steps_done} steps of {replicas_before} replicas) "
-                      f"at step {step + 1} of {replicas}")
+        if not replicas_before or replicas_before == self.num_replicas:
+            step, offset, note = steps_done, 0, ""
+        elif self._own_copies(train=True):
+            step, offset = steps_done, 0
+            note = (f"continues at step {steps_done + 1} ({replicas_before} replicas trained its first "
+                    f"{steps_done} steps): each of the {replicas} continues its own walk through the data")
+        else:
+            done = steps_done * replicas_before
+            step, offset = divmod(done, self.num_replicas)
+            note = (f"continues after {done} of its batches ({steps_done} steps of {replicas_before} replicas) "
+                    f"at step {step + 1} of {replicas}")
+        keys = [str(r) for r in self._fed_replicas()] if self._own_copies(train=True) else ["dealt"]
+        found = [(streams or {}).get(key) for key in keys]
+        points = [None if point is None or isinstance(point, str) else point for point in found]
+        batches.start_at(step, offset, points)
+        replayed = [f"{'replica ' + key if key != 'dealt' else 'the dealt batches'}: {why or 'not recorded'}"
+                    for key, why, point in zip(keys, found, points) if point is None]
+        if replayed:
+            how = (f"makes the batches of the {step} steps it passes over, for their lengths ("
+                   + "; ".join(sorted(set(replayed))) + ")")
+        else:
+            how = f"continues its data where it stood after step {steps_done} (no sequence before it is made)"
+        return step, f"{note}; {how}" if note else how
+
+    def stream_points(self, batches, steps_done: int) -> Optional[dict]:
+        """Where this worker's data streams stand after ``steps_done`` steps of ``batches``, by
+        stream (``"dealt"``, or a replica's global index): a StreamPoint, or why there is none;
+        what an interrupted checkpoint records (None at the epoch's start)."""
+        points = batches.positions_after(steps_done)
+        if points is None:
+            return None
+        if self._own_copies(train=True):
+            return {str(self.first_replica + i): point for i, point in enumerate(points)}
+        return {"dealt": points[0]}
+
+    def _own_copies(self, train: bool) -> bool:
+        """Whether each replica walks its own copy of the data (else one order dealt to all)."""
+        return train and (self.options.dataset_distribution == "random_seed_offset" or shards_files(self.config))
+
+    def _fed_replicas(self) -> range:
+        """The global replicas whose training batches this worker (or its producer) makes."""
+        if self.shared_producer:  # it makes all replicas' batches and hands each worker its own
+            return range(self.num_replicas)
+        return range(self.first_replica, self.first_replica + self.local_replicas)
 
     def placeholder_step(self) -> List[dict]:
         """One batch per local replica of one sequence of one frame, all zeros: what the step is
@@ -302,11 +345,8 @@ class EpochData:
     def _batches(self, datasets, epoch: int, *, train: bool, while_waiting=None):
         # random_seed_offset: every replica walks its own copy (also with one replica per worker);
         # shard, and always for evaluation: one order, dealt to the replicas of all workers in turn.
-        own_copies = train and (self.options.dataset_distribution == "random_seed_offset" or shards_files(self.config))
-        if self.shared_producer and train:  # it makes all replicas' batches and hands each worker its own
-            ours = range(self.num_replicas)
-        else:
-            ours = range(self.first_replica, self.first_replica + self.local_replicas)
+        own_copies = self._own_copies(train)
+        ours = self._fed_replicas() if train else range(self.first_replica, self.first_replica + self.local_replicas)
         what = dict(
             epoch=epoch,
             data_keys=self.data_keys,

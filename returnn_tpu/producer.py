@@ -48,6 +48,7 @@ import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
+from returnn_tpu.positions import StepPoints
 from returnn_tpu.producer_blocks import BLOCK_PREFIX, BlockReader, remove_stale_blocks
 from returnn_tpu.producer_process import run_producer
 from returnn_tpu.producer_protocol import ProducerError, expect, raise_error
@@ -227,7 +228,7 @@ def drop_semaphore_names(results) -> None:
 class ProducedEpoch:
     """An epoch's batches from the producer, with the interface of
     :class:`returnn_tpu.data.EpochBatches` that training uses (``start_seconds``, ``start_at``,
-    ``steps``)."""
+    ``steps``, ``positions``)."""
 
     def __init__(self, producer, batching, start_seconds: float):
         self.producer = producer
@@ -235,6 +236,8 @@ class ProducedEpoch:
         self.start_seconds = start_seconds  # the producer's init_seq_order
         self.first_step = 0
         self.batch_offset = 0
+        self.points = None
+        self.positions = StepPoints()  # as the producer sends them with each step
 
     @classmethod
     def started(cls, producer, epoch: int, batching, while_waiting=None) -> "ProducedEpoch":
@@ -243,14 +246,14 @@ class ProducedEpoch:
         (start_seconds,) = expect(producer.receive(what=what, while_waiting=while_waiting), "started", what)
         return cls(producer, batching, start_seconds)
 
-    def start_at(self, step: int, batch_offset: int = 0):
-        self.first_step, self.batch_offset = step, batch_offset
+    def start_at(self, step: int, batch_offset: int = 0, points=None):
+        self.first_step, self.batch_offset, self.points = step, batch_offset, points
 
     def steps(self) -> Iterator[Tuple[List[dict], List[float]]]:
         """The steps, as the producer sends them, to the end of its data; stopped early, the
         producer is told to stop and what it made ahead is freed."""
         producer = self.producer
-        producer.send("go", (self.first_step, self.batch_offset))
+        producer.send("go", (self.first_step, self.batch_offset, self.points))
         finished = False
         try:
             for step in itertools.count(self.first_step):
@@ -260,6 +263,7 @@ class ProducedEpoch:
                     self.batching.add_counters(counters)
                     finished = True
                     return
+                self.positions.record(step, message[4])
                 yield producer.unpack(message), message[3]
         finally:
             if not finished and producer.alive():  # stopped early: drain and free the blocks

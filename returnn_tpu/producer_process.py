@@ -144,21 +144,23 @@ def _produce_epoch(epochs: _EpochMaker, request: dict, commands, results, worker
     results.put(("started", batches.start_seconds))
     for worker in others:
         workers.send(worker, ("started", batches.start_seconds))
-    ((first_step, batch_offset),) = expect(commands.recv(), "go", "the step to begin at")
+    ((first_step, batch_offset, points),) = expect(commands.recv(), "go", "the step to begin at")
     for worker in others:
-        if workers.receive(worker, "go") != (first_step, batch_offset):
+        if workers.receive(worker, "go")[:2] != (first_step, batch_offset):
             raise ProducerError(f"worker {worker} and worker 0 asked for different steps of epoch {request['epoch']}")
-    batches.start_at(first_step, batch_offset)
-    for step_batches, weights in batches:
+    batches.start_at(first_step, batch_offset, points)
+    for step, (step_batches, weights) in enumerate(batches, start=first_step):
         if commands.poll() and commands.recv()[0] == "stop":
             break
+        step_points = batches.positions.take(step)
         if workers:
-            own_batches, own_weights = workers.own_part(step_batches, weights, 0)
-            results.put(("step", *blocks.put(own_batches), own_weights))
+            results.put(("step", *blocks.put(workers.own_part(step_batches, 0)), workers.own_part(weights, 0),
+                         workers.own_part(step_points, 0)))
             for worker in others:
-                workers.send(worker, ("step", None, *workers.own_part(step_batches, weights, worker)))
+                workers.send(worker, ("step", None, *(workers.own_part(items, worker)
+                                                      for items in (step_batches, weights, step_points))))
         else:
-            results.put(("step", *blocks.put(step_batches), weights))
+            results.put(("step", *blocks.put(step_batches), weights, step_points))
     results.put(("end", batches.batching.take_counters()))
     for worker in others:
         workers.send(worker, ("end", {}))

@@ -17,7 +17,7 @@ import struct
 import sys
 import threading
 import time
-from typing import NamedTuple, Tuple
+from typing import NamedTuple
 
 from returnn_tpu.producer_protocol import ProducerError
 
@@ -128,7 +128,7 @@ class WorkerConnections:
             raise ProducerError(f"worker {worker} sent {kind!r} to the data producer, expected {expected!r}")
         return payload
 
-    def own_part(self, step_batches: list, weights: list, worker: int) -> Tuple[list, list]:
-        """Worker ``worker``'s replicas' part of a step's batches of all replicas (0: this one's)."""
-        part = slice(worker * self.replicas_per_worker, (worker + 1) * self.replicas_per_worker)
-        return step_batches[part], weights[part]
+    def own_part(self, items: list, worker: int) -> list:
+        """Worker ``worker``'s replicas' part of a list with an item per replica of all workers (a
+        step's batches, weights, stream points; 0: this one's)."""
+        return items[worker * self.replicas_per_worker: (worker + 1) * self.replicas_per_worker]

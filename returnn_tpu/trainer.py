@@ -86,8 +86,8 @@ class Trainer:
         self.num_epochs = config.int("num_epochs", 5)
         self.checkpoints = checkpoints.RunCheckpoints(
             config, self.networks, self.builder, self.optimizer, self.syncs.averaging,
-            num_epochs=self.num_epochs, num_replicas=self.strategy.num_replicas_in_sync, chief=self.cluster.is_chief,
-            log=log,
+            num_epochs=self.num_epochs, num_replicas=self.strategy.num_replicas_in_sync,
+            worker_index=self.cluster.worker_index, log=log,
         )
         self.report = EpochReport(
             config, log, self.learning_rate_control, model_filename=self.checkpoints.model_filename,
@@ -104,6 +104,7 @@ class Trainer:
                                           num_workers=self.cluster.num_workers, log=log)
         self._stepped = False  # whether this process has made a train step
         self._resume_prefix: Optional[str] = None  # the checkpoint to restore once the variables exist
+        self._epoch_data = None  # the epoch's batches, its first step and where its data streams stood there
 
     @property
     def updates_done(self) -> int:
@@ -133,7 +134,7 @@ class Trainer:
         self.syncs.at_network_start()
         point = self.checkpoints.last_sync  # marked at the epoch's start; a restore changed the update count
         if point:
-            self.checkpoints.synced(point.epoch, point.steps_done, self.updates_done)
+            self.checkpoints.synced(point.epoch, point.steps_done, self.updates_done, point.data)
 
     def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
         """Every parameter of the network (RETURNN names) as its value on each of this worker's replicas."""
@@ -169,11 +170,11 @@ class Trainer:
             print(f"returnn-tpu: {line}", file=self.log.v2)
         self.network.created_in_epoch = start.epoch - 1
         self._resume_prefix = start.prefix
-        first_step, replicas_before = start.first_step, start.replicas_before
+        first_step, replicas_before, streams = start.first_step, start.replicas_before, start.data
         try:
             for epoch in range(start.epoch, self.num_epochs + 1):
-                self.train_epoch(epoch, first_step, replicas_before)
-                first_step = 0
+                self.train_epoch(epoch, first_step, replicas_before, streams)
+                first_step, streams = 0, None
         except PEER_LOSS_ERRORS as exc:
             if self.cluster.num_workers == 1 or not self.network.built:
                 raise
@@ -231,13 +232,14 @@ class Trainer:
         due = self.syncs.due()
         metrics = self.steps.train(step_batches, learning_rate, due)
         if self.syncs.after_update(due, learning_rate, stats) and at:
-            self.checkpoints.synced(at[0], at[1] + 1, self.updates_done)
+            self.checkpoints.synced(at[0], at[1] + 1, self.updates_done, self._stream_points(at[1] + 1))
         return metrics
 
-    def train_epoch(self, epoch: int, first_step: int = 0, replicas_before: Optional[int] = None):
+    def train_epoch(self, epoch: int, first_step: int = 0, replicas_before: Optional[int] = None,
+                    streams: Optional[dict] = None):
         """One epoch from step ``first_step`` (after an interruption there, of ``replicas_before``
-        replicas if not as many as now): train steps with periodic syncs, final sync, checkpoint,
-        dev scores, logs."""
+        replicas if not as many as now, its data ``streams`` where they stood then): train steps
+        with periodic syncs, final sync, checkpoint, dev scores, logs."""
         self.use_network_of_epoch(epoch)
         learning_rate = self.networks.learning_rate(epoch, self.learning_rate_control)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
@@ -247,10 +249,11 @@ class Trainer:
         progress = StepProgress(self.log, prefix, self.exp_loss) if self.log.verbose[5] else None
         start = time.perf_counter()
         batches = self.data.train_batches(epoch, while_waiting=lambda: self._stop_while_waiting(epoch))
-        first_step, note = self.data.continue_epoch(batches, first_step, replicas_before)
+        first_step, note = self.data.continue_epoch(batches, first_step, replicas_before, streams)
         if note:
             print(f"returnn-tpu: epoch {epoch} {note}", file=self.log.v2)
-        self.checkpoints.synced(epoch, first_step, self.updates_done)  # the copies are one model here
+        self._epoch_data = (batches, first_step, streams)
+        self.checkpoints.synced(epoch, first_step, self.updates_done, streams)  # the copies are one model here
         stats.data_start_seconds = batches.start_seconds
         waited_since = start  # starting the epoch's data is waiting for data too
         for step, (step_batches, _) in batches.steps(self.steps.on_device):
@@ -277,7 +280,7 @@ class Trainer:
             self._build(self.data.placeholder_step())
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
         self.syncs.at_epoch_end(learning_rate, stats)
-        self.checkpoints.synced(epoch, batches.steps_done, self.updates_done)
+        self.checkpoints.synced(epoch, batches.steps_done, self.updates_done, self._stream_points(batches.steps_done))
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)
         if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
@@ -300,6 +303,14 @@ class Trainer:
         saving = time.perf_counter()
         self.checkpoints.save_epoch(epoch, self.learning_rate_control)
         self.stop_request.check_grace("saving the model", time.perf_counter() - saving)
+
+    def _stream_points(self, steps_done: int) -> Optional[dict]:
+        """Where this worker's data streams stand after ``steps_done`` steps of the current epoch
+        (what an interrupted checkpoint records, so that resume continues them there)."""
+        if self._epoch_data is None:
+            return None
+        batches, first_step, streams = self._epoch_data
+        return streams if steps_done == first_step else self.data.stream_points(batches, steps_done)
 
     def _stop_if_requested(self, epoch: int, step: int, stats: EpochStats):
         """Before step ``step``: if a stop signal is due on any worker
@@ -328,7 +339,7 @@ class Trainer:
                           "resume", stop.signum)
         self.check_nonfinite(epoch, stats)  # no replica's copy is non-finite
         self.sync(stats)
-        prefix = self.checkpoints.save_interrupted(epoch, step)
+        prefix = self.checkpoints.save_interrupted(epoch, step, self._stream_points(step))
         self.workers.all_workers(0)  # the chief has written it
         raise Stopped(f"{where}; the combined model is in {prefix}: run the same command to continue "
                       f"{self.epoch_name(epoch)} at step {step + 1}", stop.signum)

@@ -212,7 +212,7 @@ def test_a_save_into_a_read_only_folder_is_one_line_naming_the_last_good_checkpo
     try:
         subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
         for save in (lambda: trainer.checkpoints.save_after_peer_loss(None),
-                     lambda: trainer.checkpoints.save_interrupted(2, 3)):
+                     lambda: trainer.checkpoints.save_interrupted(2, 3, None)):
             with pytest.raises(checkpoints.CheckpointWriteError) as raised:
                 save()
             assert raised.value.status == 2

@@ -94,7 +94,8 @@ def test_an_epoch_continued_on_other_replicas_deals_the_rest_of_its_batches(tmp_
     full_steps = len(list(three.data.train_batches(1)))
     batches = three.data.train_batches(1)
     step, note = three.data.continue_epoch(batches, 4, 2)
-    assert step == 2 and note == "continues after 8 of its batches (4 steps of 2 replicas) at step 3 of 3 replicas"
+    assert step == 2 and note.startswith("continues after 8 of its batches (4 steps of 2 replicas) at step 3 of "
+                                         "3 replicas; makes the batches of the 2 steps it passes over"), note
     rest = collections.Counter()
     for step_batches, _ in batches:
         rest.update(seq for batch in step_batches for seq in _seqs(batch))
@@ -250,3 +251,52 @@ def test_distribute_files_dataset_deals_its_files_to_the_replicas(tmp_path, dist
             files[replica].update(seq // 100 for seq in _seqs(batch))
     assert files[0] and files[1] and not files[0] & files[1], files
     assert files[0] | files[1] == set(range(len(paths)))
+
+
+@pytest.mark.parametrize("distribution", ["own_copies", "dealt"])
+@pytest.mark.parametrize("chunking,recurrent", [("50:50", True), ("10:5", True), ("0", True), ("0", False)],
+                         ids=["chunks", "overlapping_chunks", "sequences", "frames"])
+def test_an_epoch_continued_from_its_recorded_point_makes_the_same_batches_without_the_sequences_before(
+        distribution, chunking, recurrent):
+    """An epoch of RETURNN's ``Task12AXDataset`` continued at 60% of its steps from the point its
+    streams recorded there: the same batches as the rest of the uninterrupted epoch, bit for bit,
+    while the datasets make less than half of what passing over the steps makes (the frames they
+    count as loaded)."""
+    from returnn.config import Config, set_global_config
+    from returnn.datasets import init_dataset
+
+    from returnn_tpu.batching import BatchingOptions
+    from returnn_tpu.data import EpochBatches
+    from returnn_tpu.network_inputs import extern_data_template
+
+    config = Config()
+    config.update(dict(extern_data={"data": {"dim": 9}, "classes": {"dim": 2, "sparse": True}}, batch_size=400,
+                       max_seqs=8, chunking=chunking))
+    set_global_config(config)
+    extern_data, batching = extern_data_template(config), BatchingOptions(config)
+    copies = 2 if distribution == "own_copies" else 1
+    slots = dict(slots=range(3), num_slots=3) if distribution == "dealt" else {}
+
+    def epoch(points=None, step=0):
+        datasets = [init_dataset({"class": "Task12AXDataset", "num_seqs": 600, "seq_ordering": "random",
+                                  "chunking": chunking, "random_seed_offset": 16127 * i}) for i in range(copies)]
+        batches = EpochBatches(datasets, epoch=1, extern_data=extern_data, data_keys=["data", "classes"],
+                               batching=batching, recurrent=recurrent, train=True, prefetch=1, **slots)
+        batches.start_at(step, points=points)
+        return batches, [step_batches for step_batches, _ in batches.steps()]
+
+    whole, full = epoch()
+    step = int(len(full) * 0.6)
+    points = whole.positions.after(step)
+    assert all(isinstance(point, tuple) for point in points), points
+    replayed, replayed_steps = epoch(step=step)
+    continued, continued_steps = epoch([points[0]] if distribution == "dealt" else points, step)
+    assert len(continued_steps) == len(replayed_steps) == len(full) - step
+    for ours, theirs in zip(continued_steps, full[step:]):
+        for our_batch, their_batch in zip(ours, theirs):
+            assert our_batch.keys() == their_batch.keys()
+            for key in our_batch:
+                numpy.testing.assert_array_equal(our_batch[key], their_batch[key])
+    for ours, theirs in zip(continued.datasets, replayed.datasets):
+        made = [dataset._num_timesteps.max_value() for dataset in (ours, theirs)]  # noqa: SLF001 (its count)
+        assert made[0] < 0.5 * made[1], made
