@@ -136,7 +136,7 @@ def test_a_damaged_interrupted_checkpoint_is_set_aside(tmp_path, damage):
     else:
         (tmp_path / "model.002.interrupted.index").write_bytes(numpy.random.RandomState(0).bytes(300))
     second = make_trainer(tmp_path, network, num_epochs=2)
-    assert second.checkpoints.resume_point(lambda value: [value]) == (2, 0, str(tmp_path / "model.001"), False, None)
+    assert second.checkpoints.resume_point(lambda value: [value]) == (2, 0, str(tmp_path / "model.001"), False, None, None)
     assert (tmp_path / "model.002.interrupted.index.unreadable").exists()
     second.train()
     assert sorted(checkpoints.load(str(tmp_path / "model.002"))) == sorted(second.checkpoints.state())
