@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional
 
 import numpy
@@ -374,6 +375,9 @@ class RunCheckpoints:
         self.num_replicas = num_replicas  # of all workers: they train an epoch's steps
         self.save_interval = config.int("save_interval", 1)
         self.last_sync: Optional[SyncPoint] = None  # see synced()
+        # One interrupted checkpoint written at a time: the loop's, or one at a signal during a step
+        # (the lock file below excludes other processes, not this one's threads).
+        self._writing_interrupted = threading.Lock()
 
     # ---- names and the resume point -------------------------------------------------------------
 
@@ -509,12 +513,13 @@ class RunCheckpoints:
         """The combined model of ``epoch`` stopped after ``steps_done`` steps (chief writes), and
         where this worker's data ``streams`` stood (every worker writes its own); its prefix."""
         prefix = self.epoch_filename(epoch) + INTERRUPTED_MARK
-        if streams:
-            write_stream_points(prefix, self.worker_index, epoch=epoch, steps_done=steps_done, streams=streams)
-        if self.chief:
-            with self._naming_the_last_good():
-                save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done,
-                                 num_replicas=self.num_replicas)
+        with self._writing_interrupted:
+            if streams:
+                write_stream_points(prefix, self.worker_index, epoch=epoch, steps_done=steps_done, streams=streams)
+            if self.chief:
+                with self._naming_the_last_good():
+                    save_interrupted(self.model_filename, prefix, self.state(), epoch=epoch, steps_done=steps_done,
+                                     num_replicas=self.num_replicas)
         return prefix
 
     # ---- the model of the last sync, for a lost worker -------------------------------------------
@@ -525,10 +530,11 @@ class RunCheckpoints:
         point a survivor of a lost worker goes back to."""
         self.last_sync = SyncPoint(epoch, steps_done, updates, streams)
 
-    def save_after_peer_loss(self, synced_model: Optional[Mapping[str, tf.Variable]]) -> Optional[str]:
-        """After a worker was lost: this survivor writes the model of the last sync as the
-        interrupted checkpoint of its epoch, with the optimizer state it has, so that resume
-        continues there (docs/faults.md, "A lost worker"). ``synced_model`` is that model (name ->
+    def save_last_sync(self, synced_model: Optional[Mapping[str, tf.Variable]]) -> Optional[str]:
+        """Writes the model of the last sync as the interrupted checkpoint of its epoch, with the
+        optimizer state it has, so that resume continues there: after a worker was lost (this is
+        a survivor; docs/faults.md, "A lost worker"), at a stop with no time to agree, or at a stop
+        signal during a step (:class:`returnn_tpu.faults.SignalWatch`). ``synced_model`` is that model (name ->
         variable; None: the parameters themselves, as with synchronous strategies). Survivors
         write one after the other (a lock file beside the model); one that finds the checkpoint
         written, or one as new, writes nothing. Returns the checkpoint's prefix, or None when
@@ -542,7 +548,7 @@ class RunCheckpoints:
             if name in state:
                 state[name] = tf.cast(value, state[name].dtype)
         state["global_step"] = tf.constant(point.updates, tf.int64)  # the updates that count
-        with self._naming_the_last_good():
+        with self._writing_interrupted, self._naming_the_last_good():
             if point.data:
                 write_stream_points(prefix, self.worker_index, epoch=point.epoch, steps_done=point.steps_done,
                                     streams=point.data)

@@ -227,6 +227,7 @@ def train(filename: str, overrides: List[str]) -> int:
         trainer = Trainer(config, options, cluster, config_source=(filename, overrides))
         for signum in STOP_SIGNALS:  # replaces TensorFlow's multi-worker handler
             signal.signal(signum, trainer.stop_request.handle)
+        trainer.watch_stop_signals(STOP_SIGNALS)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
         if lock:

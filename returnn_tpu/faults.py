@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import tensorflow as tf
 
@@ -186,3 +187,41 @@ class StopRequest:
 
 
 _TIME_LIMIT = -1  # the cause of a stop that is the time limit, where others are signal numbers
+
+
+class SignalWatch:
+    """Calls ``at_signal(signum)`` on a thread of its own the moment one of ``signals`` arrives,
+    while the main thread may be inside a step for many seconds: its Python handler
+    (:meth:`StopRequest.handle`) runs only once the step returns, which under ``mpirun`` can be
+    after the SIGKILL that follows a stop signal by 1 s. Python's C-level handler writes each
+    signal's number at once to the descriptor given to ``signal.set_wakeup_fd``, and TensorFlow
+    releases the GIL while a step runs, so the thread acts then (FACTS.md, "A signal during a
+    step"). Start it on the main thread, after the handlers are installed."""
+
+    def __init__(self, signals: Iterable[int], at_signal: Callable[[int], None]):
+        self.signals = set(signals)
+        self.at_signal = at_signal
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="returnn_tpu signal watch", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            try:
+                numbers = os.read(self._read, 64)
+            except OSError:
+                return
+            if not numbers:  # closed
+                return
+            for signum in numbers:
+                if signum in self.signals:
+                    self.at_signal(signum)
+
+    def close(self):
+        """Stops watching (from the main thread)."""
+        signal.set_wakeup_fd(-1)
+        os.close(self._write)
+        self._thread.join(timeout=5)
+        os.close(self._read)

@@ -13,9 +13,11 @@ combined model. With several workers, worker 0 (the chief) alone writes files.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy
 
@@ -27,7 +29,7 @@ from returnn_tpu.current_network import CurrentNetwork
 from returnn_tpu.epochs import EpochData
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.faults import (NONFINITE_CHECK_STEPS, PEER_LOSS_ERRORS, NonFiniteMonitor, NonFiniteScore, PeerLost,
-                                StopRequest, Stopped)
+                                SignalWatch, StopRequest, Stopped)
 from returnn_tpu.networks import EpochNetworks, learning_rate_control
 from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
@@ -105,6 +107,10 @@ class Trainer:
         self._stepped = False  # whether this process has made a train step
         self._resume_prefix: Optional[str] = None  # the checkpoint to restore once the variables exist
         self._epoch_data = None  # the epoch's batches, its first step and where its data streams stood there
+        # Held while the model of the last sync (or its point) changes, so that a save at a signal
+        # (save_last_sync_at_signal, on another thread) writes a whole one.
+        self._changing_synced_model = threading.Lock()
+        self._signal_watch: Optional[SignalWatch] = None
 
     @property
     def updates_done(self) -> int:
@@ -125,16 +131,17 @@ class Trainer:
     def _build(self, step_batches: List):
         """Creates all variables and traces the train step; restores the checkpoint when resuming;
         then one model on every replica."""
-        self.network.build(step_batches)
-        if self._resume_prefix:
-            self.checkpoints.restore(self._resume_prefix)
-            self._resume_prefix = None
-            self.batches_trained = int(self.optimizer.step.numpy()) * self.batches_per_update
-            self.network.created_in_epoch = 0
-        self.syncs.at_network_start()
-        point = self.checkpoints.last_sync  # marked at the epoch's start; a restore changed the update count
-        if point:
-            self.checkpoints.synced(point.epoch, point.steps_done, self.updates_done, point.data)
+        with self._changing_synced_model:
+            self.network.build(step_batches)
+            if self._resume_prefix:
+                self.checkpoints.restore(self._resume_prefix)
+                self._resume_prefix = None
+                self.batches_trained = int(self.optimizer.step.numpy()) * self.batches_per_update
+                self.network.created_in_epoch = 0
+            self.syncs.at_network_start()
+            point = self.checkpoints.last_sync  # marked at the epoch's start; a restore changed the update count
+            if point:
+                self.checkpoints.synced(point.epoch, point.steps_done, self.updates_done, point.data)
 
     def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
         """Every parameter of the network (RETURNN names) as its value on each of this worker's replicas."""
@@ -147,7 +154,37 @@ class Trainer:
     def sync(self, stats: Optional[EpochStats] = None):
         """Makes the replicas' copies one model now (local SGD; synchronous strategies' copies are
         always equal); counted in ``stats``."""
-        self.syncs.now(self.learning_rate, stats)
+        with self._changing_synced_model:
+            self.syncs.now(self.learning_rate, stats)
+
+    def watch_stop_signals(self, signals: Iterable[int]):
+        """From now on, a stop signal also has the model of the last sync written at once, on
+        another thread, whatever the step running meanwhile is doing (:meth:`save_last_sync_at_signal`)."""
+        self._signal_watch = SignalWatch(signals, self.save_last_sync_at_signal)
+
+    def save_last_sync_at_signal(self, signum: int):
+        """At the first stop signal (on the watch's thread): writes the model of the last sync as
+        the interrupted checkpoint, unless one as new is on disk, so that a launcher's SIGKILL soon
+        after its signal (``mpirun``: 1 s) loses at most what was trained since that sync; the loop
+        goes on to stop at the next step boundary as before, and writes a newer one if it gets
+        there. Synchronous strategies' parameters change within a step: only the step boundary
+        writes them."""
+        if self.stop_request.signum not in (None, signum):
+            return  # a second signal: the handler ends the process
+        with self._changing_synced_model:
+            synced = self.syncs.synced_model() if self.network.built else None
+            if synced is None:
+                return
+            try:
+                prefix = self.checkpoints.save_last_sync(synced)
+            except Exception as exc:  # noqa: BLE001 (the loop's own save at the step boundary still follows)
+                print(f"returnn-tpu: at signal {signum}: could not write the model of the last sync: {exc}",
+                      file=self.log.v1)
+                return
+        point = self.checkpoints.last_sync
+        if prefix:
+            print(f"returnn-tpu: at signal {signum}: the model of the last sync ({self.epoch_name(point.epoch)}, step "
+                  f"{point.steps_done}) is in {prefix}", file=self.log.v1)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -205,7 +242,10 @@ class Trainer:
             self.close()
 
     def close(self):
-        """Ends the dataset producer process, if there is one."""
+        """Ends the dataset producer process, if there is one, and the signal watch."""
+        if self._signal_watch:
+            self._signal_watch.close()
+            self._signal_watch = None
         self.data.close()
 
     def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None,
@@ -230,9 +270,12 @@ class Trainer:
             return self.steps.accumulate(step_batches)
         self.learning_rate = learning_rate
         due = self.syncs.due()
-        metrics = self.steps.train(step_batches, learning_rate, due)
-        if self.syncs.after_update(due, learning_rate, stats) and at:
-            self.checkpoints.synced(at[0], at[1] + 1, self.updates_done, self._stream_points(at[1] + 1))
+        in_step = due and self.syncs.updates_in_replica  # the step itself syncs
+        with self._changing_synced_model if in_step else contextlib.nullcontext():
+            metrics = self.steps.train(step_batches, learning_rate, due)
+        with self._changing_synced_model:
+            if self.syncs.after_update(due, learning_rate, stats) and at:
+                self.checkpoints.synced(at[0], at[1] + 1, self.updates_done, self._stream_points(at[1] + 1))
         return metrics
 
     def train_epoch(self, epoch: int, first_step: int = 0, replicas_before: Optional[int] = None,
@@ -279,8 +322,10 @@ class Trainer:
         if not self.network.built:  # continued at the epoch's end (the model of its last sync): no step ran
             self._build(self.data.placeholder_step())
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
-        self.syncs.at_epoch_end(learning_rate, stats)
-        self.checkpoints.synced(epoch, batches.steps_done, self.updates_done, self._stream_points(batches.steps_done))
+        with self._changing_synced_model:
+            self.syncs.at_epoch_end(learning_rate, stats)
+            self.checkpoints.synced(epoch, batches.steps_done, self.updates_done,
+                                    self._stream_points(batches.steps_done))
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)
         if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
@@ -328,7 +373,7 @@ class Trainer:
                 "time, or a smaller stop_before_time_limit")
         if stop.at_last_sync and self.network.built:  # no time to agree: every worker has the last sync's model
             point = self.checkpoints.last_sync
-            prefix = self.checkpoints.save_after_peer_loss(self.syncs.synced_model())
+            prefix = self.checkpoints.save_last_sync(self.syncs.synced_model())
             raise Stopped(f"{where}; the model of the last sync is in {prefix}: run the same command to continue "
                           f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}" if prefix else
                           f"{where}; nothing was trained since the newest checkpoint: run the same command to resume",
@@ -346,9 +391,9 @@ class Trainer:
 
     def _save_after_peer_loss(self, exc: Exception) -> PeerLost:
         """A collective failed because a worker is gone: this survivor saves the model of the last
-        sync (:meth:`RunCheckpoints.save_after_peer_loss`); the error to end the run with."""
+        sync (:meth:`RunCheckpoints.save_last_sync`); the error to end the run with."""
         point = self.checkpoints.last_sync
-        prefix = self.checkpoints.save_after_peer_loss(self.syncs.synced_model())
+        prefix = self.checkpoints.save_last_sync(self.syncs.synced_model())
         if prefix is None:
             return PeerLost(exc, "nothing was trained since the newest checkpoint: run the same command to resume")
         return PeerLost(exc, f"the model of the last sync is in {prefix}: run the same command to continue "

@@ -28,6 +28,7 @@ RUNS = {
     "overhead.py": ["--smoke"],
     "regroup.py": ["--smoke"],
     "relay.py": ["--smoke"],
+    "resume.py": ["--smoke"],
     "slow_link.py": ["--smoke"],
     "speech_corpus.py": ["--smoke"],
     "speech_quality.py": ["--smoke"],

@@ -211,7 +211,7 @@ def test_a_save_into_a_read_only_folder_is_one_line_naming_the_last_good_checkpo
     subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
-        for save in (lambda: trainer.checkpoints.save_after_peer_loss(None),
+        for save in (lambda: trainer.checkpoints.save_last_sync(None),
                      lambda: trainer.checkpoints.save_interrupted(2, 3, None)):
             with pytest.raises(checkpoints.CheckpointWriteError) as raised:
                 save()

@@ -97,9 +97,10 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
-    """SIGTERM mid-epoch: a checkpoint of the combined model at the next step boundary, exit 143;
-    running the command again continues that epoch at that step, and ends where an uninterrupted
-    run ends (``mirrored``: no sync at the stop that an uninterrupted run would not make)."""
+    """SIGTERM mid-epoch: a checkpoint of the combined model at the next step boundary, exit 143,
+    and beside it where the data stood; running the command again continues that epoch at that
+    step, its data from there (no sequence before it made), and ends where an uninterrupted run
+    ends (``mirrored``: no sync at the stop that an uninterrupted run would not make)."""
     from returnn_tpu import checkpoints
 
     config = config_12ax(train={"class": "Task12AXDataset", "num_seqs": 250}, distribute_strategy="mirrored",
@@ -124,9 +125,13 @@ def test_sigterm_saves_the_epoch_in_progress_and_resume_continues_it(tmp_path):
     found = checkpoints.interrupted(str(stopped / "out" / "model"), 1)
     assert found.epoch == 1 and found.steps_done > 0, found
     assert all(numpy.isfinite(v).all() for v in checkpoints.load(prefix).values())
+    streams = checkpoints.read_stream_points(prefix, 1, found.steps_done)  # each replica's own walk through the data
+    assert sorted(streams) == ["0", "1"] and all(streams[r][0] == found.steps_done for r in streams), streams
     resumed = run_cli(["train.config"], cwd=stopped)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"start training at epoch 1, step {found.steps_done + 1} (interrupted there)" in resumed.stdout
+    assert (f"epoch 1 continues its data where it stood after step {found.steps_done} (no sequence before it is "
+            "made)") in resumed.stdout, resumed.stdout[-3000:]
     assert not [f for f in os.listdir(stopped / "out") if ".interrupted" in f]  # epoch 1's checkpoint replaced it
     uninterrupted = run_cli(["train.config"], cwd=tmp_path / "uninterrupted")
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]

@@ -228,6 +228,43 @@ def test_sigterm_to_mpirun_saves_the_last_sync_within_its_grace(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
+def test_sigterm_to_mpirun_during_steps_longer_than_its_grace_finds_the_last_sync_on_disk(tmp_path):
+    """SIGTERM to ``mpirun -np 2`` 0.2 s into a step of seconds (a
+    product of two random 5500 x 5500 matrices in the network);
+    ``mpirun`` SIGKILLs the ranks about 1 s after forwarding it, before the step ends. Each rank
+    writes the model of the last sync at the signal, while its step runs (rank 0 first; rank 1
+    finds it written), so it is on disk; the same command continues the epoch after that sync."""
+    import signal
+
+    slow = "tf.reduce_mean(tf.linalg.matmul(tf.random.normal([5500, 5500]), tf.random.normal([5500, 5500])))"
+    network = {"slow": {"class": "eval", "from": "data", "eval": f"source(0) + 0.0 * {slow}"},  # seconds of work
+               "fw0": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "slow"},
+               "output": {"class": "softmax", "loss": "ce", "from": "fw0"}}
+    (tmp_path / "train.config").write_text(config_12ax(
+        WORKER_INDEX, train={"class": "Task12AXDataset", "num_seqs": 40}, network=network, num_epochs=1,
+        optimizer={"class": "sgd"},
+        distribute_options={"param_sync_step": 2, "cluster_resolver": "mpi", "startup_timeout": 120}))
+    job, command, env = _mpirun_at_step(tmp_path, 2)
+    step_lines = []
+    for line in job.stdout:  # syncs after updates 2 and 4; the signal comes 0.2 s into step 6
+        if line.startswith("[1,0]<stdout>:train epoch 1, step "):
+            step_lines.append(time.time())
+            if line.startswith("[1,0]<stdout>:train epoch 1, step 4,"):
+                break
+    time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert numpy.diff(step_lines).min() > 2.5, f"steps of {numpy.diff(step_lines)} s do not show it"
+    assert "the model of the last sync (epoch 1, step 4) is in out/model.001.interrupted" in output, output[-3000:]
+    found = checkpoints.interrupted(str(tmp_path / "out" / "model"), 1)
+    assert found and found.steps_done == 4, (found, output[-3000:])
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "start training at epoch 1, step 5 (interrupted there)" in resumed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (.ci/run installs it)")
 def test_kill_9_of_an_mpi_rank_costs_at_most_one_sync_period(tmp_path):
     """kill -9 of rank 1 under ``mpirun -np 2`` between two syncs (after updates 10 and 20; rank 0
     has logged step 13): the job ends non-zero within a bound, naming the lost rank; rank 0 saved
