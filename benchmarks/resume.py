@@ -49,8 +49,8 @@ def run_until(folder: str, stop_at: int, stop=signal.SIGTERM) -> dict:
     the start, and whether it continued its data from the recorded points."""
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "returnn_tpu.cli", "train.config"], cwd=folder,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"))
     first, from_points, tail = None, False, []
     for line in process.stdout:
         tail = (tail + [line])[-30:]
@@ -61,15 +61,29 @@ def run_until(folder: str, stop_at: int, stop=signal.SIGTERM) -> dict:
             if first is None:
                 first = (step, time.perf_counter() - start)
             if step >= stop_at:
-                process.send_signal(stop)
+                os.killpg(process.pid, stop) if stop == signal.SIGKILL else process.send_signal(stop)
                 break
         if time.perf_counter() - start > STOP_SECONDS:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             break
     process.communicate(timeout=STOP_SECONDS)
+    settle(process.pid)
     if first is None:
         sys.exit(f"returnn-tpu in {folder} made no step (status {process.returncode}):\n{''.join(tail)}")
     return {"step": first[0], "seconds": first[1], "from_points": from_points}
+
+
+def settle(group: int, seconds: float = 30.0):
+    """Waits until every process of the run's group (its data producer too) is gone, and a second
+    more, so that the next run's start has the machine to itself."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)
 
 
 def steps_of_epoch(folder: str) -> int:
