@@ -522,7 +522,7 @@ class RunCheckpoints:
                                      num_replicas=self.num_replicas)
         return prefix
 
-    # ---- the model of the last sync, for a lost worker -------------------------------------------
+    # ---- the model of the last sync, for a lost worker or a stop without time to agree ----------
 
     def synced(self, epoch: int, steps_done: int, updates: int, streams: Optional[dict] = None):
         """Every worker's copies were combined after ``steps_done`` steps of ``epoch`` (``updates``
@@ -534,8 +534,8 @@ class RunCheckpoints:
         """Writes the model of the last sync as the interrupted checkpoint of its epoch, with the
         optimizer state it has, so that resume continues there: after a worker was lost (this is
         a survivor; docs/faults.md, "A lost worker"), at a stop with no time to agree, or at a stop
-        signal during a step (:class:`returnn_tpu.faults.SignalWatch`). ``synced_model`` is that model (name ->
-        variable; None: the parameters themselves, as with synchronous strategies). Survivors
+        signal during a step (:class:`returnn_tpu.faults.SignalWatch`). ``synced_model`` is that
+        model (name -> variable; None: the parameters themselves, as with synchronous strategies). Survivors
         write one after the other (a lock file beside the model); one that finds the checkpoint
         written, or one as new, writes nothing. Returns the checkpoint's prefix, or None when
         nothing was trained since the newest epoch's checkpoint."""

@@ -15,11 +15,14 @@ reads ahead on a background thread.
   dataset; it ends when the first replica runs out, so about ``num_replicas`` times the data
   of a single-device epoch is trained on.
 * ``"shard"``: one dataset, one order; consecutive batches go to replicas in turn. An epoch is
-  one pass over the dataset in total; the last ``< num_replicas`` batches are dropped.
+  one pass over the dataset in total; its last batches are re-cut so that every replica has one
+  in the last step (:func:`deal_evenly`), so no sequence is left out.
 
 Batches are made as they are taken (RETURNN's lazy batch generator), a bounded number of steps
 ahead: no pass over the epoch before its first step, and what is held does not grow with the
-corpus (docs/data.md, "Streamed epochs"). With several workers, all of them do the same number
+corpus (docs/data.md, "Streamed epochs"); an epoch continued after an interruption begins
+where its streams stood, recorded as each step is made (:mod:`returnn_tpu.positions`), without
+making the sequences before. With several workers, all of them do the same number
 of steps in an epoch, the smallest number any of them has, agreed as they go
 (:class:`returnn_tpu.epochs.TrainEpoch`), so none waits in a collective for a worker that has
 run out of data.

@@ -227,7 +227,8 @@ def check_supported(config):
             raise ConfigError(f"config option {key!r} ({what}) is not supported by returnn-tpu yet; remove it")
     accum = config.typed_value("accum_grad_multiple_step", None)
     if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int) or accum < 0):
-        raise ConfigError(f"accum_grad_multiple_step must be an int >= 1, got {accum!r}")
+        raise ConfigError(f"accum_grad_multiple_step must be an int >= 0 (0 and 1: an update after every batch, "
+                          f"as in RETURNN), got {accum!r}")
 
 
 def _turned_on(config, key: str) -> bool:

@@ -35,7 +35,6 @@ from returnn_tpu.strategies.devices import per_replica
 from returnn_tpu.strategies.sync.quantized import QuantizedWire
 
 Collective = Callable[[List[tf.Tensor]], List[tf.Tensor]]
-OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
 
 
 def mean_over_all_replicas(values: List[tf.Tensor]) -> List[tf.Tensor]:
