@@ -95,7 +95,7 @@ def steps_of_epoch(folder: str) -> int:
     sys.exit(f"no end of epoch 1 in {folder}/out/train.log")
 
 
-def chain(kind: str, files: dict, size: int, partition: int, work: str) -> list:
+def chain(kind: str, files: dict, size: int, partition: int, work: str, fractions=FRACTIONS) -> list:
     """The rows of one corpus: a fresh start, then each position resumed from its points and by
     replay."""
     folder = os.path.join(work, kind)
@@ -113,7 +113,7 @@ def chain(kind: str, files: dict, size: int, partition: int, work: str) -> list:
                    capture_output=True, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
     steps = steps_of_epoch(probe)
     shutil.rmtree(probe)
-    targets = [max(1, int(steps * fraction)) for fraction in FRACTIONS]
+    targets = [max(1, int(steps * fraction)) for fraction in fractions]
     fresh = run_until(folder, targets[0])
     rows = []
     for index, target in enumerate(targets):
@@ -138,7 +138,7 @@ def main():
     parser.add_argument("--hdf-seqs", type=int, default=10000)
     parser.add_argument("--speech-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "returnn_tpu", "speech"))
     parser.add_argument("--ogg-epoch-seqs", type=int, default=2000)
-    parser.add_argument("--smoke", action="store_true", help="12ax of 1,500 sequences only")
+    parser.add_argument("--smoke", action="store_true", help="12ax of 1,500 sequences, resumed halfway only")
     args = parser.parse_args()
     if args.smoke:
         args.kinds, args.seqs_12ax = ["12ax"], 1500
@@ -155,7 +155,7 @@ def main():
                 with open(os.path.join(args.speech_dir, "stats.json")) as f:  # benchmarks/speech_corpus.py's
                     size = json.load(f)["train"]["utterances"]
                 partition = max(1, size // args.ogg_epoch_seqs)
-            rows += chain(kind, files, size, partition, work)
+            rows += chain(kind, files, size, partition, work, (0.5,) if args.smoke else FRACTIONS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("first step, seconds from the process's start; ratio: to the fresh start's")
