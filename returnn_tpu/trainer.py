@@ -175,13 +175,13 @@ class Trainer:
             synced = self.syncs.synced_model() if self.network.built else None
             if synced is None:
                 return
+            point = self.checkpoints.last_sync  # what save_last_sync writes, read under the same lock
             try:
                 prefix = self.checkpoints.save_last_sync(synced)
             except Exception as exc:  # noqa: BLE001 (the loop's own save at the step boundary still follows)
                 print(f"returnn-tpu: at signal {signum}: could not write the model of the last sync: {exc}",
                       file=self.log.v1)
                 return
-        point = self.checkpoints.last_sync
         if prefix:
             print(f"returnn-tpu: at signal {signum}: the model of the last sync ({self.epoch_name(point.epoch)}, step "
                   f"{point.steps_done}) is in {prefix}", file=self.log.v1)
