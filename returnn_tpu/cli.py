@@ -318,13 +318,12 @@ def _report_refusal_to_cluster(cluster, options, message: str):
     from returnn_tpu.faults import REFUSAL_PREFIX
     from returnn_tpu.strategies import make_strategy
     from returnn_tpu.strategies.multi_worker import joined_cluster, report_error_to_cluster
+    from returnn_tpu.strategies.startup_barrier import own_task, task_addresses
     from returnn_tpu.strategies.startup_watchdog import unanswered
 
     if not joined_cluster():
-        spec = cluster.resolver.cluster_spec()
-        own = (cluster.resolver.task_type, cluster.resolver.task_id)
-        peers = {f"{job} {i}": address for job in spec.jobs for i, address in enumerate(spec.job_tasks(job))
-                 if (job, i) != own}
+        own = own_task(cluster.resolver)
+        peers = {name: address for name, address in task_addresses(cluster.resolver).items() if name != own}
         start = time.time()
         while unanswered(peers):
             waited = time.time() - start
@@ -345,6 +344,7 @@ def _training_failure(exc: Exception, cluster) -> int:
     from returnn_tpu.reporting import RecordWriteError
     from returnn_tpu.errors import RESUMABLE_STATUS
     from returnn_tpu.faults import PEER_LOSS_ERRORS, NonFiniteScore, PeerLost, Stopped, reported_refusal
+    from returnn_tpu.strategies.startup_barrier import ClusterDidNotComeUp
 
     if isinstance(exc, Stopped):
         print(f"returnn-tpu: {exc}", file=sys.stderr)
@@ -352,7 +352,7 @@ def _training_failure(exc: Exception, cluster) -> int:
     if isinstance(exc, (checkpoints.CheckpointWriteError, RecordWriteError)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return exc.status
-    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, ProducerError, DatasetError)):
+    if isinstance(exc, (NonFiniteScore, checkpoints.NonFiniteModel, ProducerError, DatasetError, ClusterDidNotComeUp)):
         print(f"returnn-tpu: error: {exc}", file=sys.stderr)
         return 1
     refusal = reported_refusal(exc.cause if isinstance(exc, PeerLost) else exc)

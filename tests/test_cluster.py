@@ -77,3 +77,62 @@ def test_auto_resolver_choice(monkeypatch):
 def test_tf_config_without_cluster_is_an_error():
     with pytest.raises(ConfigError, match="TF_CONFIG"):
         resolve_cluster("tf_config", {"TF_CONFIG": "{}"})
+
+
+def _resolver(ports, index):
+    import tensorflow as tf
+
+    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{port}" for port in ports]})
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=index)
+
+
+def test_the_start_up_barrier_lets_workers_started_one_by_one_through_together():
+    """Three workers started 0.5 s apart each leave the barrier once all have met; the last one
+    comes without waiting, and each port is free again afterwards (TensorFlow binds it next)."""
+    import threading
+    import time
+
+    from returnn_tpu.launcher import free_local_ports
+    from returnn_tpu.strategies.startup_barrier import wait_for_workers
+
+    ports = free_local_ports(3)
+    left = {}
+
+    def worker(index):
+        time.sleep(0.5 * index)
+        wait_for_workers(_resolver(ports, index), 30, "test")
+        left[index] = time.monotonic()
+
+    threads = [threading.Thread(target=worker, args=(index,)) for index in range(3)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(left) == [0, 1, 2]
+    assert all(1.0 <= left[index] - start < 5 for index in range(3)), {i: t - start for i, t in left.items()}
+    assert all(port_is_free(port) for port in ports)
+
+
+def test_the_start_up_barrier_raises_naming_the_missing_worker_and_counts_tensorflows_server_as_there():
+    """Worker 2 never comes: ``ClusterDidNotComeUp`` names it (and only it) after the timeout;
+    worker 1's port is TensorFlow's own gRPC server (a worker already past the barrier), which
+    counts as there."""
+    import time
+
+    import tensorflow as tf
+
+    from returnn_tpu.launcher import free_local_ports
+    from returnn_tpu.strategies.startup_barrier import ClusterDidNotComeUp, wait_for_workers
+
+    ports = free_local_ports(3)
+    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{port}" for port in ports]})
+    server = tf.distribute.Server(spec, job_name="worker", task_index=1, start=True)
+    start = time.monotonic()
+    with pytest.raises(ClusterDidNotComeUp) as raised:
+        wait_for_workers(_resolver(ports, 0), 2, "the_option")
+    assert 2 <= time.monotonic() - start < 6
+    assert str(raised.value) == (f"worker 0: the cluster did not come up within 2 s (the_option); "
+                                 f"no answer from worker 2 (127.0.0.1:{ports[2]})")
+    assert raised.value.missing == [f"worker 2 (127.0.0.1:{ports[2]})"]
+    assert server  # held until here

@@ -15,6 +15,7 @@ from returnn_tpu.strategies.devices import local_replica_devices, own_collective
 from returnn_tpu.strategies.local_sgd import LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
                                                  TrainerMultiWorkerLocalSGDStrategy)
+from returnn_tpu.strategies.startup_barrier import ClusterDidNotComeUp
 from returnn_tpu.strategies.sync import CopiesAlwaysEqual, SyncDue, make_syncs
 from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, TrainerLocalSGDTPUStrategy, make_tpu_strategy
 
@@ -27,6 +28,7 @@ __all__ = [
     "TrainerLocalSGDStrategy",
     "SyncCallback",
     "MultiWorkerLocalSGDStrategy",
+    "ClusterDidNotComeUp",
     "TrainerMultiWorkerLocalSGDStrategy",
     "MultiWorkerMirroredStrategy",
     "LocalSGDTPUStrategy",

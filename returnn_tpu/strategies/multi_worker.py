@@ -6,8 +6,9 @@
 * :class:`MultiWorkerLocalSGDStrategy`: local SGD for a TF2 or Keras program.
 * :class:`MultiWorkerMirroredStrategy`: TensorFlow's synchronous multi-worker strategy.
 
-Both wait at most ``startup_timeout`` seconds for the cluster and stop with an error that names
-the workers that did not answer. A worker that dies or hangs later makes the others' collectives
+Both wait at most ``startup_timeout`` seconds for the cluster and raise
+:class:`~returnn_tpu.strategies.startup_barrier.ClusterDidNotComeUp`, naming the workers that did
+not answer. A worker that dies or hangs later makes the others' collectives
 fail within :data:`PEER_LOSS_BOUND_SECONDS` (TensorFlow's peer health check, tuned here; a
 per-collective ``collective_timeout`` is optional, since each collective with one leaves threads
 behind for that long: FACTS.md, "Peer health"). A dead worker is usually found within seconds ("connection refused" from
@@ -29,6 +30,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as car
 from tensorflow.python.eager import context
 
 from returnn_tpu.strategies import startup_watchdog
+from returnn_tpu.strategies.startup_barrier import own_task, task_addresses, wait_for_workers
 from returnn_tpu.strategies.extended import LocalSGDExtendedMixin
 from returnn_tpu.strategies.local_sgd import ScheduledLocalSGDMixin
 
@@ -58,27 +60,25 @@ def communication_options(collective_timeout, bucket_bytes: int):
     )
 
 
+# After the barrier every worker is up: TensorFlow's own start-up gets at least this long.
+TENSORFLOW_STARTUP_SECONDS = 60.0
+
+
 @contextlib.contextmanager
 def startup_deadline(cluster_resolver, startup_timeout: float, option: str):
-    """Ends this process with an error naming the missing workers if start-up takes too long;
-    the error names ``option``, where the user set the timeout.
+    """Ends this process with an error naming the missing workers if TensorFlow's start-up takes
+    longer than ``startup_timeout``; the error names ``option``, where the user set the timeout.
 
     See :mod:`returnn_tpu.strategies.startup_watchdog` for why this is a separate process. Meanwhile
     SIGHUP, the watchdog's signal, runs C's ``_exit(1)`` (signal number 1 as the status) without
     the GIL that TensorFlow holds; the process's own SIGHUP handler is back afterwards.
     """
-    spec = cluster_resolver.cluster_spec()
-    own = f"{cluster_resolver.task_type}:{cluster_resolver.task_id}"
-    peers = [
-        f"{job} {task_id}={address}"
-        for job in spec.jobs
-        for task_id, address in enumerate(spec.job_tasks(job))
-        if f"{job}:{task_id}" != own
-    ]
+    own = own_task(cluster_resolver)
+    peers = [f"{name}={address}" for name, address in task_addresses(cluster_resolver).items() if name != own]
     # The file itself, not ``-m``: the package's __init__ would import TensorFlow (seconds of CPU).
     watchdog = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(startup_watchdog.__file__), str(os.getpid()),
-         str(startup_timeout), option, own.replace(":", " "), *peers],
+         str(startup_timeout), option, own, *peers],
         stdin=subprocess.PIPE,
     )
     libc = ctypes.CDLL(None)
@@ -94,7 +94,9 @@ def startup_deadline(cluster_resolver, startup_timeout: float, option: str):
 
 
 class TimedCollectiveExtended(car.CollectiveAllReduceExtended):
-    """``CollectiveAllReduceExtended`` with a start-up timeout that names missing workers, and a
+    """``CollectiveAllReduceExtended`` with a start-up timeout that names missing workers (first
+    :func:`~returnn_tpu.strategies.startup_barrier.wait_for_workers`, whose exception a program can
+    catch; then TensorFlow's start-up under :func:`startup_deadline`), and a
     peer health check every 5 s (TensorFlow's: 30 s) that gives up on a peer after 3 tries of 5 s,
     so that a dead or hung peer aborts all collectives within :data:`PEER_LOSS_BOUND_SECONDS`."""
 
@@ -106,9 +108,11 @@ class TimedCollectiveExtended(car.CollectiveAllReduceExtended):
     def __init__(self, container_strategy, cluster_resolver, options, startup_timeout: float):
         if cluster_resolver is None:
             cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        one_process = not cluster_resolver.cluster_spec().jobs  # nothing to wait for
-        deadline = (contextlib.nullcontext() if one_process
-                    else startup_deadline(cluster_resolver, startup_timeout, self.startup_option))
+        deadline = contextlib.nullcontext()
+        if cluster_resolver.cluster_spec().jobs:  # else one process: nothing to wait for
+            waited = wait_for_workers(cluster_resolver, startup_timeout, self.startup_option)
+            deadline = startup_deadline(cluster_resolver, max(startup_timeout - waited, TENSORFLOW_STARTUP_SECONDS),
+                                        self.startup_option)
         with deadline:
             super().__init__(container_strategy, cluster_resolver=cluster_resolver, communication_options=options)
 
@@ -165,7 +169,8 @@ class MultiWorkerLocalSGDStrategy(car.CollectiveAllReduceStrategy):
 
     ``local_sgd_options`` are those of :class:`returnn_tpu.strategies.LocalSGDStrategy`, and
     ``sync_bucket_bytes`` (the size of the all-reduces between workers). A start-up that takes
-    longer than ``startup_timeout`` seconds ends with an error naming the missing workers.
+    longer than ``startup_timeout`` seconds raises
+    :class:`~returnn_tpu.strategies.startup_barrier.ClusterDidNotComeUp`, naming the missing workers.
     """
 
     def __init__(self, cluster_resolver=None, startup_timeout: float = 300.0, **local_sgd_options):

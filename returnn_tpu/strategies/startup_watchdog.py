@@ -2,7 +2,9 @@
 
 TensorFlow's multi-worker start-up blocks in C++ while holding the GIL, waiting far longer than
 a job should for workers that never come; no Python thread or signal handler in the worker
-can run then. This watchdog runs beside it: if the worker has not closed the watchdog's stdin
+can run then. The worker meets every other one first in Python
+(:mod:`returnn_tpu.strategies.startup_barrier`), so this is for a worker lost after that. The
+watchdog runs beside TensorFlow's start-up: if the worker has not closed the watchdog's stdin
 within the timeout, it probes the other workers' ports, prints one line naming those that do
 not answer, and sends the worker SIGHUP. During its start-up the worker handles SIGHUP by C's
 ``_exit`` itself (:func:`returnn_tpu.strategies.multi_worker.startup_deadline`), which needs no
@@ -47,8 +49,8 @@ def main(argv):
         return 0
     missing = unanswered(peers)
     sys.stderr.write(
-        f"returnn-tpu: error: {own}: the cluster did not come up within {timeout:g} s "
-        f"({option}); no answer from {', '.join(missing) or 'a worker that has not joined'}\n"
+        f"returnn-tpu: error: {own}: the cluster did not come up: all workers had met, then TensorFlow's "
+        f"start-up took over {timeout:g} s ({option}); no answer from {', '.join(missing) or 'a worker that left'}\n"
     )
     sys.stderr.flush()
     os.kill(pid, signal.SIGHUP)
