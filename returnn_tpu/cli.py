@@ -226,8 +226,8 @@ def train(filename: str, overrides: List[str]) -> int:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
         trainer = Trainer(config, options, cluster, config_source=(filename, overrides))
         for signum in STOP_SIGNALS:  # replaces TensorFlow's multi-worker handler
-            signal.signal(signum, trainer.stop_request.handle)
-        trainer.watch_stop_signals(STOP_SIGNALS)
+            signal.signal(signum, trainer.stops.request.handle)
+        trainer.stops.watch_signals(STOP_SIGNALS)
         trainer.initialize_model() if task == "initialize_model" else trainer.train()
     except ConfigError as exc:
         if lock:

@@ -158,6 +158,7 @@ class EpochData:
         self.bucket_boundaries: Optional[List[int]] = None
         self.batching = self.eval_batching = None
         self.steps_expected: Optional[int] = None  # the last epoch's steps: for the progress line
+        self._epoch = None  # the training epoch's batches, its first step and where the resume found its streams
 
     def _start_producer(self, config_source: Tuple[str, List[str]]):
         """The training data's producer (``data_producer``): this worker's own process; with
@@ -278,6 +279,7 @@ class EpochData:
         continues there without making a sequence before it; one without makes the batches it
         passes over (docs/faults.md, "Resuming without replay").
         """
+        self._epoch = (batches, 0, streams)  # what stream_points reads
         if steps_done == 0:
             return 0, ""
         replicas = f"{self.num_replicas} replica{'s' if self.num_replicas > 1 else ''}"
@@ -296,6 +298,7 @@ class EpochData:
         found = [(streams or {}).get(key) for key in keys]
         points = [None if point is None or isinstance(point, str) else point for point in found]
         batches.start_at(step, offset, points)
+        self._epoch = (batches, step, streams)
         replayed = [f"{'replica ' + key if key != 'dealt' else 'the dealt batches'}: {why or 'not recorded'}"
                     for key, why, point in zip(keys, found, points) if point is None]
         if replayed:
@@ -305,10 +308,16 @@ class EpochData:
             how = f"continues its data where it stood after step {steps_done} (no sequence before it is made)"
         return step, f"{note}; {how}" if note else how
 
-    def stream_points(self, batches, steps_done: int) -> Optional[dict]:
-        """Where this worker's data streams stand after ``steps_done`` steps of ``batches``, by
-        stream (``"dealt"``, or a replica's global index): a StreamPoint, or why there is none;
-        what an interrupted checkpoint records (None at the epoch's start)."""
+    def stream_points(self, steps_done: int) -> Optional[dict]:
+        """Where this worker's data streams stand after ``steps_done`` steps of the epoch
+        :meth:`continue_epoch` started, by stream (``"dealt"``, or a replica's global index): a
+        StreamPoint, or why there is none; what an interrupted checkpoint records (None at the
+        epoch's start, or before an epoch)."""
+        if self._epoch is None:
+            return None
+        batches, first_step, streams = self._epoch
+        if steps_done == first_step:
+            return streams  # where the resume found them
         points = batches.positions_after(steps_done)
         if points is None:
             return None

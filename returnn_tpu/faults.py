@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
+import numpy
 import tensorflow as tf
 
 from returnn_tpu.errors import RESUMABLE_STATUS
@@ -86,11 +87,18 @@ class NonFiniteMonitor:
     applied; FACTS.md, "Non-finite updates") and stops the run, or with ``skip`` counts them.
     All workers see the same counts (one small collective through ``workers``)."""
 
-    def __init__(self, workers, *, skip: bool, num_workers: int, log):
+    def __init__(self, workers, *, skip: bool, num_workers: int, log, stop_on_nonfinite_score: bool = True):
         self.workers = workers
         self.skip = skip
         self.num_workers = num_workers
         self.log = log
+        self.stop_on_nonfinite_score = stop_on_nonfinite_score  # RETURNN's stop_on_nonfinite_train_score
+
+    def check_score(self, score: dict, epoch_name: str):
+        """RETURNN's rule for an epoch's train ``score``: a non-finite one stops the run before
+        anything of the epoch is saved (unless ``stop_on_nonfinite_train_score`` is off)."""
+        if self.stop_on_nonfinite_score and not all(numpy.isfinite(list(score.values()))):
+            raise NonFiniteScore(f"{epoch_name}: non-finite train score {score}; not saved")
 
     def check(self, steps, epoch_name: str) -> int:
         """The skipped updates since the last check (0 if none), or :class:`NonFiniteUpdate`."""

@@ -59,6 +59,10 @@ class EpochStats:
     startup_seconds: Optional[float] = None  # the process's first epoch: from its start to the first step's end
 
     @property
+    def mean_step_seconds(self) -> float:
+        return self.step_seconds / self.steps if self.steps else 0.0
+
+    @property
     def computing_time_share(self) -> float:
         return self.step_seconds / self.seconds if self.seconds > 0 else 0.0
 

@@ -91,7 +91,7 @@ def run_row(strategy: str, options: dict) -> dict:
     folder = tempfile.mkdtemp(prefix="returnn_tpu_check_")
     config = in_process_config(dict(TINY_CONFIG, model=os.path.join(folder, "model"), log=[], log_verbosity=0))
     trainer = Trainer(config, DistributeOptions.from_config_values(strategy, options))
-    trainer.use_network_of_epoch(1)
+    trainer.network.use_epoch(1)
     times = []
     for step, (step_batches, _) in enumerate(trainer.data.train_batches(1)):
         if step == STEPS:

@@ -1,35 +1,26 @@
 """The training loop: epochs, steps, learning-rate control, checkpoints, dev scores.
 
-Each decision has its own owner, which the loop asks: which network an epoch trains and its
-compiled step functions :mod:`returnn_tpu.current_network`, what an epoch's batches are
-:mod:`returnn_tpu.epochs`, when and how the copies are combined the strategy's syncs
-(:func:`returnn_tpu.strategies.make_syncs`), the checkpoints
-:class:`returnn_tpu.checkpoints.RunCheckpoints`, what stops a run :mod:`returnn_tpu.faults`, what
-is reported :mod:`returnn_tpu.reporting`, and the collectives between workers
-:mod:`returnn_tpu.workers`; this module runs them in order. For local SGD,
-the copies are always combined before a checkpoint and before dev evaluation, so both see the
-combined model. With several workers, worker 0 (the chief) alone writes files.
+Each decision has its own owner, which the loop asks: the network an epoch trains and its steps
+:mod:`returnn_tpu.current_network`, an epoch's batches :mod:`returnn_tpu.epochs`, when and how the
+copies are combined the strategy's syncs (:func:`returnn_tpu.strategies.make_syncs`), the
+checkpoints :mod:`returnn_tpu.checkpoints`, whether a run stops :mod:`returnn_tpu.faults` and what
+a stop saves and says :mod:`returnn_tpu.stops`, what is reported :mod:`returnn_tpu.reporting`.
+The copies are combined before every checkpoint and dev evaluation; worker 0 alone writes files.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
-
-import numpy
+from typing import Dict, List, Optional, Tuple
 
 import returnn_tpu
 from returnn_tpu import checkpoints, xla
 from returnn_tpu.cluster import Cluster
-from returnn_tpu.cluster.mpi import mpirun_kill_grace
 from returnn_tpu.current_network import CurrentNetwork
 from returnn_tpu.epochs import EpochData
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.faults import (NONFINITE_CHECK_STEPS, PEER_LOSS_ERRORS, NonFiniteMonitor, NonFiniteScore, PeerLost,
-                                SignalWatch, StopRequest, Stopped)
+from returnn_tpu.faults import NONFINITE_CHECK_STEPS, PEER_LOSS_ERRORS, NonFiniteMonitor
 from returnn_tpu.networks import EpochNetworks, learning_rate_control
 from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
@@ -37,6 +28,7 @@ from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, Ste
 from returnn_tpu.returnn_bridge import NetworkBuilder
 from returnn_tpu.strategies import make_strategy, make_syncs
 from returnn_tpu.startup import check_config
+from returnn_tpu.stops import RunStops
 from returnn_tpu.workers import WorkerCollectives
 
 
@@ -72,11 +64,10 @@ class Trainer:
         # accum_grad_multiple_step, which makes one update of every batches_per_update batches.
         self.batches_per_update = max(1, config.int("accum_grad_multiple_step", 1))
         self.batches_trained = 0
-        self.data = EpochData(config, options, self.cluster, self.workers,
-                              num_replicas=self.strategy.num_replicas_in_sync, local_replicas=self.workers.local_replicas, first_replica=self.workers.first_replica,
-                              config_source=config_source,
-                              accelerators=any("CPU" not in device.upper()
-                                               for device in self.strategy.extended.worker_devices))
+        devices = self.strategy.extended.worker_devices
+        self.data = EpochData(config, options, self.cluster, self.workers, local_replicas=len(devices),
+                              num_replicas=self.strategy.num_replicas_in_sync, first_replica=self.workers.first_replica,
+                              config_source=config_source, accelerators=any("CPU" not in d.upper() for d in devices))
         if options.jit_compile:
             xla.prepare_config(config)
         self.network = CurrentNetwork(
@@ -87,30 +78,21 @@ class Trainer:
         self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
         self.checkpoints = checkpoints.RunCheckpoints(
-            config, self.networks, self.builder, self.optimizer, self.syncs.averaging,
-            num_epochs=self.num_epochs, num_replicas=self.strategy.num_replicas_in_sync,
-            worker_index=self.cluster.worker_index, log=log,
-        )
+            config, self.networks, self.builder, self.optimizer, self.syncs.averaging, num_epochs=self.num_epochs,
+            num_replicas=self.strategy.num_replicas_in_sync, worker_index=self.cluster.worker_index, log=log)
         self.report = EpochReport(
             config, log, self.learning_rate_control, model_filename=self.checkpoints.model_filename,
-            chief=self.cluster.is_chief,
-            static_fields={"strategy": options.strategy, "num_workers": self.cluster.num_workers,
-                           "num_replicas": self.steps.num_replicas, "distribute_options": options.in_force()},
-        )
+            chief=self.cluster.is_chief, static_fields={
+                "strategy": options.strategy, "num_workers": self.cluster.num_workers,
+                "num_replicas": self.steps.num_replicas, "distribute_options": options.in_force()})
         self.learning_rate = 0.0  # of the epoch being trained (SlowMo's outer step scales by it)
-        stop_at = (returnn_tpu.STARTED + options.time_limit - options.stop_before_time_limit
-                   if options.time_limit else None)
-        self.stop_request = StopRequest(self.workers, self.cluster.num_workers, log, stop_at,  # cli.py: its handler
-                                        kill_grace=mpirun_kill_grace(os.environ))
         self.nonfinite = NonFiniteMonitor(self.workers, skip=options.skip_nonfinite_steps,
-                                          num_workers=self.cluster.num_workers, log=log)
+                                          num_workers=self.cluster.num_workers, log=log,
+                                          stop_on_nonfinite_score=config.bool("stop_on_nonfinite_train_score", True))
+        self.stops = RunStops(options, self.checkpoints, self.syncs, self.workers, self.network,
+                              num_workers=self.cluster.num_workers, epoch_name=self.epoch_name, log=log)
         self._stepped = False  # whether this process has made a train step
         self._resume_prefix: Optional[str] = None  # the checkpoint to restore once the variables exist
-        self._epoch_data = None  # the epoch's batches, its first step and where its data streams stood there
-        # Held while the model of the last sync (or its point) changes, so that a save at a signal
-        # (save_last_sync_at_signal, on another thread) writes a whole one.
-        self._changing_synced_model = threading.Lock()
-        self._signal_watch: Optional[SignalWatch] = None
 
     @property
     def updates_done(self) -> int:
@@ -122,16 +104,13 @@ class Trainer:
         """The compiled steps of the current network (:class:`returnn_tpu.steps.ReplicaSteps`)."""
         return self.network.steps
 
-    def use_network_of_epoch(self, epoch: int):
-        """Switches to the network ``epoch`` trains (:meth:`CurrentNetwork.use_epoch`)."""
-        self.network.use_epoch(epoch)
-
     # ---- building and resuming ---------------------------------------------------------------
 
-    def _build(self, step_batches: List):
-        """Creates all variables and traces the train step; restores the checkpoint when resuming;
-        then one model on every replica."""
-        with self._changing_synced_model:
+    def _build(self, step_batches: List, stats: Optional[EpochStats] = None):
+        """Creates all variables and traces the train step (its seconds counted in ``stats``);
+        restores the checkpoint when resuming; then one model on every replica."""
+        start = time.perf_counter()
+        with self.stops.lock:
             self.network.build(step_batches)
             if self._resume_prefix:
                 self.checkpoints.restore(self._resume_prefix)
@@ -142,10 +121,8 @@ class Trainer:
             point = self.checkpoints.last_sync  # marked at the epoch's start; a restore changed the update count
             if point:
                 self.checkpoints.synced(point.epoch, point.steps_done, self.updates_done, point.data)
-
-    def parameter_copies(self) -> Dict[str, List[numpy.ndarray]]:
-        """Every parameter of the network (RETURNN names) as its value on each of this worker's replicas."""
-        return self.steps.parameter_copies()
+        if stats:
+            stats.trace_seconds += time.perf_counter() - start
 
     def evaluate(self, epoch: int) -> Dict[str, Dict[str, Dict[str, float]]]:
         """The dev scores of the (combined) model: see :func:`returnn_tpu.reporting.evaluate`."""
@@ -154,37 +131,8 @@ class Trainer:
     def sync(self, stats: Optional[EpochStats] = None):
         """Makes the replicas' copies one model now (local SGD; synchronous strategies' copies are
         always equal); counted in ``stats``."""
-        with self._changing_synced_model:
+        with self.stops.lock:
             self.syncs.now(self.learning_rate, stats)
-
-    def watch_stop_signals(self, signals: Iterable[int]):
-        """From now on, a stop signal also has the model of the last sync written at once, on
-        another thread, whatever the step running meanwhile is doing (:meth:`save_last_sync_at_signal`)."""
-        self._signal_watch = SignalWatch(signals, self.save_last_sync_at_signal)
-
-    def save_last_sync_at_signal(self, signum: int):
-        """At the first stop signal (on the watch's thread): writes the model of the last sync as
-        the interrupted checkpoint, unless one as new is on disk, so that a launcher's SIGKILL soon
-        after its signal (``mpirun``: 1 s) loses at most what was trained since that sync; the loop
-        goes on to stop at the next step boundary as before, and writes a newer one if it gets
-        there. Synchronous strategies' parameters change within a step: only the step boundary
-        writes them."""
-        if self.stop_request.signum not in (None, signum):
-            return  # a second signal: the handler ends the process
-        with self._changing_synced_model:
-            synced = self.syncs.synced_model() if self.network.built else None
-            if synced is None:
-                return
-            point = self.checkpoints.last_sync  # what save_last_sync writes, read under the same lock
-            try:
-                prefix = self.checkpoints.save_last_sync(synced)
-            except Exception as exc:  # noqa: BLE001 (the loop's own save at the step boundary still follows)
-                print(f"returnn-tpu: at signal {signum}: could not write the model of the last sync: {exc}",
-                      file=self.log.v1)
-                return
-        if prefix:
-            print(f"returnn-tpu: at signal {signum}: the model of the last sync ({self.epoch_name(point.epoch)}, step "
-                  f"{point.steps_done}) is in {prefix}", file=self.log.v1)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -197,13 +145,10 @@ class Trainer:
             print(f"nothing to do: training is at epoch {start.epoch}, num_epochs is {self.num_epochs}",
                   file=self.log.v1)
             return
-        print(
-            f"returnn-tpu: strategy {self.options.strategy}, {self.cluster.num_workers} workers, "
-            f"{self.steps.num_replicas} replicas, start training at epoch {start.epoch}"
-            + (f", step {start.first_step + 1} (interrupted there)" if start.interrupted else ""),
-            file=self.log.v2,
-        )
-        for line in self.start_notes():
+        where = f"epoch {start.epoch}" + (f", step {start.first_step + 1} (interrupted there)"
+                                          if start.interrupted else "")
+        for line in [f"strategy {self.options.strategy}, {self.cluster.num_workers} workers, {self.steps.num_replicas} "
+                     f"replicas, start training at {where}", *self.start_notes()]:
             print(f"returnn-tpu: {line}", file=self.log.v2)
         self.network.created_in_epoch = start.epoch - 1
         self._resume_prefix = start.prefix
@@ -215,12 +160,13 @@ class Trainer:
         except PEER_LOSS_ERRORS as exc:
             if self.cluster.num_workers == 1 or not self.network.built:
                 raise
-            raise self._save_after_peer_loss(exc) from exc
+            raise self.stops.after_peer_loss(exc) from exc
         finally:
             self.close()
         if self.cluster.is_chief:
-            print(f"returnn-tpu: finished training at epoch {self.num_epochs}: model {self.checkpoints.epoch_filename(self.num_epochs)}"
-                  f", log {', '.join(self.config.list('log', [])) or 'stdout only'}, metrics {self.report.metrics_path}",
+            logs = ", ".join(self.config.list("log", [])) or "stdout only"
+            print(f"returnn-tpu: finished training at epoch {self.num_epochs}: model "
+                  f"{self.checkpoints.epoch_filename(self.num_epochs)}, log {logs}, metrics {self.report.metrics_path}",
                   file=self.log.v1)
 
     def start_notes(self) -> List[str]:
@@ -234,7 +180,7 @@ class Trainer:
         """RETURNN's ``task = "initialize_model"``: the initial parameters of epoch 1's network,
         written to ``model`` (no epoch suffix), as RETURNN writes them."""
         try:
-            self.use_network_of_epoch(1)
+            self.network.use_epoch(1)
             step_batches, _ = next(iter(self.data.train_batches(1)))
             self._build(step_batches)
             self.checkpoints.save_model()
@@ -243,25 +189,18 @@ class Trainer:
 
     def close(self):
         """Ends the dataset producer process, if there is one, and the signal watch."""
-        if self._signal_watch:
-            self._signal_watch.close()
-            self._signal_watch = None
+        self.stops.close()
         self.data.close()
 
     def train_step(self, step_batches: List, learning_rate: float, stats: Optional["EpochStats"] = None,
                    at: Optional[Tuple[int, int]] = None):
         """One training step on one batch per local replica, then a local-SGD sync if one is due
-        (in the step itself on the in-step path). ``at``: the epoch and the index of this step in
-        it; a sync of all workers marks the point after it as the one a lost worker sends the
-        run back to (:meth:`RunCheckpoints.synced`).
-
-        Returns the step's per-replica metrics (see :func:`loss_metrics`).
-        """
+        (in the step itself on the in-step path); returns the step's per-replica metrics. ``at``:
+        the epoch and the index of this step in it; a sync of all workers marks the point after it
+        as the one a lost worker sends the run back to (:meth:`RunCheckpoints.synced`)."""
         stats = stats or EpochStats()
         if not self.network.built:
-            build_start = time.perf_counter()
-            self._build(step_batches)
-            stats.trace_seconds += time.perf_counter() - build_start
+            self._build(step_batches, stats)
             if self.batches_trained == 0:
                 self.checkpoints.save_initial()
         stats.steps += 1
@@ -271,11 +210,11 @@ class Trainer:
         self.learning_rate = learning_rate
         due = self.syncs.due()
         in_step = due and self.syncs.updates_in_replica  # the step itself syncs
-        with self._changing_synced_model if in_step else contextlib.nullcontext():
+        with self.stops.lock if in_step else contextlib.nullcontext():
             metrics = self.steps.train(step_batches, learning_rate, due)
-        with self._changing_synced_model:
+        with self.stops.lock:
             if self.syncs.after_update(due, learning_rate, stats) and at:
-                self.checkpoints.synced(at[0], at[1] + 1, self.updates_done, self._stream_points(at[1] + 1))
+                self.checkpoints.synced(at[0], at[1] + 1, self.updates_done, self.data.stream_points(at[1] + 1))
         return metrics
 
     def train_epoch(self, epoch: int, first_step: int = 0, replicas_before: Optional[int] = None,
@@ -283,7 +222,7 @@ class Trainer:
         """One epoch from step ``first_step`` (after an interruption there, of ``replicas_before``
         replicas if not as many as now, its data ``streams`` where they stood then): train steps
         with periodic syncs, final sync, checkpoint, dev scores, logs."""
-        self.use_network_of_epoch(epoch)
+        self.network.use_epoch(epoch)
         learning_rate = self.networks.learning_rate(epoch, self.learning_rate_control)
         print(f"start epoch {epoch} with learning rate {learning_rate} ...", file=self.log.v4)
         scores = ScoreAccumulator(self.strategy, self.exp_loss)
@@ -291,16 +230,17 @@ class Trainer:
         prefix = ("pre" if self.networks.is_pretrain_epoch(epoch) else "") + f"train epoch {epoch}"  # RETURNN's
         progress = StepProgress(self.log, prefix, self.exp_loss) if self.log.verbose[5] else None
         start = time.perf_counter()
-        batches = self.data.train_batches(epoch, while_waiting=lambda: self._stop_while_waiting(epoch))
+        batches = self.data.train_batches(epoch, while_waiting=lambda: self.stops.while_waiting(epoch))
         first_step, note = self.data.continue_epoch(batches, first_step, replicas_before, streams)
         if note:
             print(f"returnn-tpu: epoch {epoch} {note}", file=self.log.v2)
-        self._epoch_data = (batches, first_step, streams)
         self.checkpoints.synced(epoch, first_step, self.updates_done, streams)  # the copies are one model here
         stats.data_start_seconds = batches.start_seconds
         waited_since = start  # starting the epoch's data is waiting for data too
         for step, (step_batches, _) in batches.steps(self.steps.on_device):
-            self._stop_if_requested(epoch, step, stats)
+            self.stops.at_step_boundary(epoch, step, stats.mean_step_seconds, stepped=self._stepped,
+                                        one_model=lambda: self._one_model(epoch, stats),
+                                        streams=self.data.stream_points)
             step_start = time.perf_counter()
             stats.data_wait_seconds += step_start - waited_since
             metrics = self.train_step(step_batches, learning_rate, stats, at=(epoch, step))
@@ -322,16 +262,13 @@ class Trainer:
         if not self.network.built:  # continued at the epoch's end (the model of its last sync): no step ran
             self._build(self.data.placeholder_step())
         self.check_nonfinite(epoch, stats)  # before the sync: no replica's copy is non-finite
-        with self._changing_synced_model:
+        with self.stops.lock:
             self.syncs.at_epoch_end(learning_rate, stats)
             self.checkpoints.synced(epoch, batches.steps_done, self.updates_done,
-                                    self._stream_points(batches.steps_done))
+                                    self.data.stream_points(batches.steps_done))
         stats.seconds = time.perf_counter() - start
         scores.combine(self.workers.sum)
-        if not all(numpy.isfinite(list(scores.score().values()))) and self.config.bool(
-            "stop_on_nonfinite_train_score", True
-        ):  # RETURNN's rule; nothing of this epoch is saved
-            raise NonFiniteScore(f"{self.epoch_name(epoch)}: non-finite train score {scores.score()}; not saved")
+        self.nonfinite.check_score(scores.score(), self.epoch_name(epoch))
         print(f"epoch {epoch}: parameter checksum {self.steps.parameter_checksum():.9g}", file=self.log.v2)
         dev_results = self.evaluate(epoch)
         figures = xla.epoch_figures(self.data, self.steps)
@@ -343,70 +280,13 @@ class Trainer:
         # The checkpoint last: a run resumes after the newest checkpoint, so an epoch whose dev
         # evaluation or record failed (a dataset that raises, a full disk) is trained again, and
         # learning_rate_file and metrics.jsonl never miss an epoch that has a checkpoint.
-        if stats.steps:
-            self.stop_request.check_grace("a step", stats.step_seconds / stats.steps)
-        saving = time.perf_counter()
-        self.checkpoints.save_epoch(epoch, self.learning_rate_control)
-        self.stop_request.check_grace("saving the model", time.perf_counter() - saving)
+        self.stops.within_grace(stats.mean_step_seconds,
+                                lambda: self.checkpoints.save_epoch(epoch, self.learning_rate_control))
 
-    def _stream_points(self, steps_done: int) -> Optional[dict]:
-        """Where this worker's data streams stand after ``steps_done`` steps of the current epoch
-        (what an interrupted checkpoint records, so that resume continues them there)."""
-        if self._epoch_data is None:
-            return None
-        batches, first_step, streams = self._epoch_data
-        return streams if steps_done == first_step else self.data.stream_points(batches, steps_done)
-
-    def _stop_if_requested(self, epoch: int, step: int, stats: EpochStats):
-        """Before step ``step``: if a stop signal is due on any worker
-        (:class:`returnn_tpu.faults.StopRequest`), combines the copies, has the chief write the
-        interrupted epoch's checkpoint and raises :class:`Stopped`. Resume continues the epoch at this step."""
-        stop = self.stop_request.due(step, stats.step_seconds / stats.steps if stats.steps else 0.0)
-        if stop is None:
-            return
-        where = f"{stop} in {self.epoch_name(epoch)} before step {step + 1}"
-        if stop.signum is None and not self._stepped:  # each resubmission would do the same: no progress ever
-            raise ConfigError(
-                f"distribute_options['time_limit']: the run reached its stop before the time limit "
-                f"({self.options.time_limit:g} s minus stop_before_time_limit {self.options.stop_before_time_limit:g} s) "
-                f"after {time.perf_counter() - returnn_tpu.STARTED:.0f} s, before its first step; give the job more "
-                "time, or a smaller stop_before_time_limit")
-        if stop.at_last_sync and self.network.built:  # no time to agree: every worker has the last sync's model
-            point = self.checkpoints.last_sync
-            prefix = self.checkpoints.save_last_sync(self.syncs.synced_model())
-            raise Stopped(f"{where}; the model of the last sync is in {prefix}: run the same command to continue "
-                          f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}" if prefix else
-                          f"{where}; nothing was trained since the newest checkpoint: run the same command to resume",
-                          stop.signum)
-        previous = self.checkpoints.epoch_filename(epoch - 1) if epoch > 1 else None
-        if not self.network.built or (step == 0 and previous and os.path.exists(previous + ".index")):
-            raise Stopped(f"{where}; nothing was trained since the newest checkpoint: run the same command to "
-                          "resume", stop.signum)
-        self.check_nonfinite(epoch, stats)  # no replica's copy is non-finite
+    def _one_model(self, epoch: int, stats: EpochStats):
+        """Before an interrupted epoch's checkpoint: no replica's copy is non-finite, and all are one model."""
+        self.check_nonfinite(epoch, stats)
         self.sync(stats)
-        prefix = self.checkpoints.save_interrupted(epoch, step, self._stream_points(step))
-        self.workers.all_workers(0)  # the chief has written it
-        raise Stopped(f"{where}; the combined model is in {prefix}: run the same command to continue "
-                      f"{self.epoch_name(epoch)} at step {step + 1}", stop.signum)
-
-    def _save_after_peer_loss(self, exc: Exception) -> PeerLost:
-        """A collective failed because a worker is gone: this survivor saves the model of the last
-        sync (:meth:`RunCheckpoints.save_last_sync`); the error to end the run with."""
-        point = self.checkpoints.last_sync
-        prefix = self.checkpoints.save_last_sync(self.syncs.synced_model())
-        if prefix is None:
-            return PeerLost(exc, "nothing was trained since the newest checkpoint: run the same command to resume")
-        return PeerLost(exc, f"the model of the last sync is in {prefix}: run the same command to continue "
-                             f"{self.epoch_name(point.epoch)} at step {point.steps_done + 1}")
-
-    def _stop_while_waiting(self, epoch: int):
-        """While the producer starts an epoch (RETURNN's ``init_seq_order``, long for some
-        datasets): a stop signal ends the run there; nothing of the epoch was trained, so the
-        newest checkpoint is where the same command resumes."""
-        signum = self.stop_request.signum
-        if signum is not None:
-            raise Stopped(f"stopped by signal {signum} while the data producer started {self.epoch_name(epoch)}; "
-                          "nothing of it was trained: run the same command to resume", signum)
 
     def check_nonfinite(self, epoch: int, stats: EpochStats):
         """Stops (or, with ``skip_nonfinite_steps``, counts) updates whose loss or gradient was NaN

@@ -64,7 +64,7 @@ def test_parameter_count_matches_plain_returnn(tmp_path):
     trainer = make_trainer(tmp_path, LAYER_NETWORKS["standardlstm"], num_replicas=2)
     trainer.train_step(random_step_batches(numpy.random.RandomState(0), 2), 0.1)
     trainer.train_step(random_step_batches(numpy.random.RandomState(1), 2, time=11), 0.1)
-    assert sorted(trainer.parameter_copies()) == [
+    assert sorted(trainer.steps.parameter_copies()) == [
         "l/rec/lstm_cell/bias", "l/rec/lstm_cell/kernel", "output/W", "output/b"
     ]
 

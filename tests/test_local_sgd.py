@@ -32,7 +32,7 @@ def _final_params(tmp_path, network, strategy, steps, seed, **options):
     rng = numpy.random.RandomState(seed)
     for _ in range(steps):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
-    return trainer, trainer.parameter_copies()
+    return trainer, trainer.steps.parameter_copies()
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_without_sync_the_result_differs_from_mirrored(tmp_path):
 
 def test_copies_differ_between_syncs_and_agree_after(tmp_path, rng):
     trainer = make_trainer(tmp_path, FEED_FORWARD, distribute_options={"param_sync_step": 5})
-    weights = lambda: trainer.parameter_copies()["hidden/W"]  # noqa: E731
+    weights = lambda: trainer.steps.parameter_copies()["hidden/W"]  # noqa: E731
     for _ in range(3):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
     after_3 = weights()
@@ -96,7 +96,7 @@ def test_sync_warmup_is_synchronous_then_local_sgd_starts_from_its_model(tmp_pat
         for copy in strategy.experimental_local_results(anchor):
             numpy.testing.assert_array_equal(copy.numpy(), local[name][0], err_msg=name)
     rng = numpy.random.RandomState(4)
-    weights = lambda: trainer.parameter_copies()["hidden/W"]  # noqa: E731
+    weights = lambda: trainer.steps.parameter_copies()["hidden/W"]  # noqa: E731
     for update in range(1, sync_step + 1):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
         copies = weights()

@@ -255,7 +255,8 @@ def test_sigterm_to_mpirun_during_steps_longer_than_its_grace_finds_the_last_syn
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     assert numpy.diff(step_lines).min() > 2.5, f"steps of {numpy.diff(step_lines)} s do not show it"
-    assert "the model of the last sync (epoch 1, step 2) is in out/model.001.interrupted" in output, output[-3000:]
+    assert ("at signal 15: the model of the last sync is in out/model.001.interrupted: run the same command to continue "
+            "epoch 1 at step 3") in output, output[-3000:]
     found = checkpoints.interrupted(str(tmp_path / "out" / "model"), 1)
     assert found and found.steps_done == 2, (found, output[-3000:])
     resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -33,7 +33,7 @@ def train_and_read(trainer, steps=4):
     rng = numpy.random.RandomState(5)
     for _ in range(steps):
         trainer.train_step(random_step_batches(rng, 4), 0.1)
-    return trainer.parameter_copies()
+    return trainer.steps.parameter_copies()
 
 
 @pytest.mark.parametrize("strategy,options", [("local_sgd", {"param_sync_step": 3}), ("mirrored", {})])
@@ -66,13 +66,13 @@ def test_a_network_change_builds_twice_for_four_replicas(tmp_path):
 
     trainer = make_trainer(tmp_path, None, num_replicas=4, get_network=get_network)
     rng = numpy.random.RandomState(0)
-    trainer.use_network_of_epoch(1)
+    trainer.network.use_epoch(1)
     trainer.train_step(random_step_batches(rng, 4), 0.1)
     builds = count_builds(trainer)
-    trainer.use_network_of_epoch(2)
+    trainer.network.use_epoch(2)
     trainer.train_step(random_step_batches(rng, 4), 0.1)
     assert len(builds) == 2  # the new variables, and the train step's one trace
-    assert "l2/W" in trainer.parameter_copies()
+    assert "l2/W" in trainer.steps.parameter_copies()
 
 
 def test_a_random_op_without_a_stateless_form_gives_each_replica_its_own_trace(tmp_path):

@@ -17,7 +17,7 @@ DILOCO = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.9}
 
 def params(trainer):
     """{name: [copy of each replica]}."""
-    return trainer.parameter_copies()
+    return trainer.steps.parameter_copies()
 
 
 def train_steps(trainer, steps, seed, learning_rate=0.1):
