@@ -557,3 +557,108 @@ def test_a_worker_lost_after_the_barrier_ends_tensorflows_start_up_by_the_watchd
     assert errors == ["returnn-tpu: error: worker 0: the cluster did not come up: all workers had met, then "
                       "TensorFlow's start-up took over 5 s (MultiWorkerLocalSGDStrategy(startup_timeout=...)); "
                       f"no answer from worker 1 (127.0.0.1:{ports[1]})"]
+
+
+KERAS_MULTI_WORKER_TUTORIAL = """
+# TensorFlow's "Multi-worker training with Keras" tutorial (mnist_setup.py and main.py) with the
+# strategy's constructor swapped. Changed besides: made-up digits (no download here), a seeded
+# shuffle and seeded initial weights (so that runs compare), fewer steps, an interruption after
+# epoch 1 that BackupAndRestore recovers from, and a backup_dir per worker (the tutorial's workers
+# run on machines of their own; Keras 3's callback is not aware of other workers on one machine).
+import json, os, sys
+import numpy as np
+import tensorflow as tf
+import keras
+from returnn_tpu.strategies import MultiWorkerLocalSGDStrategy
+
+keras.utils.set_random_seed(1)
+
+
+def mnist_dataset(batch_size):
+    rng = np.random.RandomState(0)
+    x_train = rng.randint(0, 256, size=(600, 28, 28)).astype("uint8")
+    y_train = (x_train[:, 14].astype(int).sum(axis=1) % 10).astype("uint8")
+    x_train = x_train / np.float32(255)
+    y_train = y_train.astype(np.int64)
+    return tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(600, seed=1).repeat().batch(batch_size)
+
+
+def build_and_compile_cnn_model():
+    model = keras.Sequential([
+        keras.layers.InputLayer(input_shape=(28, 28)),
+        keras.layers.Reshape(target_shape=(28, 28, 1)),
+        keras.layers.Conv2D(32, 3, activation='relu'),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation='relu'),
+        keras.layers.Dense(10)
+    ])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.SGD(learning_rate=0.1), metrics=['accuracy'])
+    return model
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+per_worker_batch_size = 16
+if sys.argv[1] == "one_process":  # the global batch on one device (under a strategy, as Keras' fit then
+    # takes the first batch to build the model and trains from the second: FACTS.md, "Keras fit across workers")
+    num_workers, task_id, strategy = 2, "_one_process", tf.distribute.OneDeviceStrategy("/cpu:0")
+else:
+    tf_config = json.loads(os.environ['TF_CONFIG'])
+    num_workers, task_id = len(tf_config['cluster']['worker']), tf_config['task']['index']
+    strategy = MultiWorkerLocalSGDStrategy(param_sync_step=int(sys.argv[1]))
+multi_worker_dataset = mnist_dataset(per_worker_batch_size * num_workers)
+with strategy.scope():
+    multi_worker_model = build_and_compile_cnn_model()
+backup = keras.callbacks.BackupAndRestore(backup_dir=f'backup{task_id}')
+try:
+    multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=4, callbacks=[backup, Interrupt()], verbose=0)
+except RuntimeError:
+    print("interrupted after epoch 1", flush=True)
+history = multi_worker_model.fit(multi_worker_dataset, epochs=3, steps_per_epoch=4, callbacks=[backup], verbose=0)
+print("epochs after the restore:", len(history.history['loss']), flush=True)
+np.save(f'weights{task_id}.npy', np.concatenate([w.ravel() for w in multi_worker_model.get_weights()]))
+path = 'keras-model.keras' if task_id in (0, "_one_process") else os.path.join(f'workertemp_{task_id}', 'keras-model.keras')
+os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+multi_worker_model.save(path)
+"""
+
+
+@pytest.mark.slow
+def test_tensorflows_multi_worker_keras_tutorial_trains_with_the_constructor_swapped(tmp_path):
+    """TensorFlow's multi-worker Keras tutorial (``fit`` with ``steps_per_epoch`` on a repeated
+    dataset, ``BackupAndRestore``, the chief's ``model.save``), which fails under Keras 3 with
+    TensorFlow's own ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), trains on 2
+    workers over ``TF_CONFIG`` with ``MultiWorkerLocalSGDStrategy``. With ``param_sync_step = 1``
+    and SGD both workers' weights equal one process's trained on the global batch, also after
+    an interruption that BackupAndRestore recovers from."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from returnn_tpu.launcher import free_local_ports
+
+    (tmp_path / "main.py").write_text(KERAS_MULTI_WORKER_TUTORIAL)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_local_ports(2)]}
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    workers = [subprocess.Popen([sys.executable, "main.py", "1"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=dict(env, TF_CONFIG=json.dumps(
+                                    {"cluster": cluster, "task": {"type": "worker", "index": i}})))
+               for i in range(2)]
+    outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    one = subprocess.run([sys.executable, "main.py", "one_process"], cwd=tmp_path, capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for output in outputs + [one.stdout]:
+        assert "interrupted after epoch 1" in output and "epochs after the restore: 2" in output, output[-2000:]
+    weights = [numpy.load(tmp_path / f"weights{i}.npy") for i in (0, 1, "_one_process")]
+    numpy.testing.assert_array_equal(weights[0], weights[1])
+    numpy.testing.assert_allclose(weights[0], weights[2], rtol=1e-4, atol=1e-4)  # a sum order of its own: 3e-5
+    assert (tmp_path / "keras-model.keras").exists() and (tmp_path / "workertemp_1" / "keras-model.keras").exists()

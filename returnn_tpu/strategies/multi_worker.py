@@ -180,3 +180,16 @@ class MultiWorkerLocalSGDStrategy(car.CollectiveAllReduceStrategy):
         communication = communication_options(None, options.sync_bucket_bytes)
         extended = ScheduledMultiWorkerLocalSGDExtended(self, cluster_resolver, communication, startup_timeout, options)
         tf.distribute.Strategy.__init__(self, extended)  # skip CollectiveAllReduceStrategy.__init__
+
+    def reduce(self, reduce_op, value, axis):
+        """``Strategy.reduce`` as Keras 3's ``fit`` calls it on a multi-worker strategy, which
+        TensorFlow's own cannot do (FACTS.md, "Keras fit across workers"): a nested structure of
+        values is reduced value by value (``fit`` reduces its first ``(x, y)`` batch to build the
+        model), and a scalar along ``axis`` 0 is the replicas' scalars reduced (``fit`` reduces
+        each step's metrics so)."""
+        if tf.nest.is_nested(value):
+            return tf.nest.map_structure(lambda one: self.reduce(reduce_op, one, axis), value)
+        one = value.values[0] if isinstance(value, tf.distribute.DistributedValues) else value
+        if axis is not None and getattr(one, "shape", None) is not None and one.shape.rank == 0:
+            axis = None
+        return super().reduce(reduce_op, value, axis)
