@@ -363,24 +363,37 @@ def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str =
                                 multi_worker: bool = False) -> DistributeOptions:
     """The options of a TF2 program's local-SGD strategy (``strategy_name``): the local-SGD keys of
     ``distribute_options`` (and, across workers, ``sync_bucket_bytes``), checked as in a config.
-    The keys whose rule needs what only returnn-tpu's trainer knows are refused in one line: a
-    clock agreed between workers (``param_sync_time_diff``), the optimizer's slots
-    (``optimizer_state_at_sync``), its learning rate (SlowMo) and workers of several replicas
-    (``local_param_sync_step``)."""
+    The keys whose rule the TF2 path does not have are refused in one line that says why
+    (:data:`NOT_FOR_TF2_PROGRAMS`)."""
     valid = LOCAL_SGD_OPTIONS + (("sync_bucket_bytes",) if multi_worker else ())
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ConfigError(f"{strategy_name} has no option {unknown[0]!r}; its options: {', '.join(valid)}")
     checked = DistributeOptions.from_config_values("local_sgd", options)
-    refused = [repr(key) for key in ("param_sync_time_diff", "local_param_sync_step", "sync_warmup_steps",
-                                     "param_sync_step_ramp")
-               if options.get(key) is not None]
+    refused = [(repr(key), key) for key in ("param_sync_time_diff", "local_param_sync_step", "sync_warmup_steps",
+                                            "param_sync_step_ramp") if options.get(key) is not None]
     if checked.optimizer_state_at_sync != "keep":
-        refused.append(f"optimizer_state_at_sync {checked.optimizer_state_at_sync!r}")
+        refused.append((f"optimizer_state_at_sync {checked.optimizer_state_at_sync!r}", "optimizer_state_at_sync"))
     if checked.outer_optimizer is not None and checked.outer_optimizer["class"] != "nesterov":
-        refused.append(f"outer_optimizer class {checked.outer_optimizer['class']!r}")
+        refused.append((f"outer_optimizer class {checked.outer_optimizer['class']!r}", "slowmo"))
     if refused:
-        raise ConfigError(f"{strategy_name}: {refused[0]} is not supported for TF2 programs (returnn-tpu's trainer "
-                          "runs it); param_sync_step, a 'nesterov' outer_optimizer, sync_dtype, "
-                          "sync_error_feedback, sync_fragments, sync_delay and sync_mix are")
+        what, key = refused[0]
+        raise ConfigError(f"{strategy_name}: {what} is not supported for TF2 programs: {NOT_FOR_TF2_PROGRAMS[key]}; "
+                          "returnn-tpu's trainer has it (TF2 programs have param_sync_step, a 'nesterov' "
+                          "outer_optimizer, sync_dtype, sync_error_feedback, sync_fragments, sync_delay and sync_mix)")
     return checked
+
+
+# Why a TF2 program's local SGD lacks what the trainer's has. Its schedule is counted inside the
+# program's trace (Keras' train function, a tf.function loop), where the strategy sees gradients
+# and variables but not the program's optimizer.
+NOT_FOR_TF2_PROGRAMS = {
+    "param_sync_time_diff": "a sync by time needs a clock that all workers agree on between steps, and the traced "
+                            "schedule counts updates only",
+    "local_param_sync_step": "worker-local rounds are counted by the trainer's host schedule, not by the traced one",
+    "sync_warmup_steps": "the synchronous warm-up is counted by the trainer's host schedule, not by the traced one",
+    "param_sync_step_ramp": "growing intervals are counted by the trainer's host schedule, not by the traced one",
+    "optimizer_state_at_sync": "the strategy does not see the program's optimizer, whose slots it would change",
+    "slowmo": "SlowMo's outer step scales by the inner learning rate, which the strategy cannot read from the "
+              "program's optimizer",
+}

@@ -218,11 +218,13 @@ def test_the_keras_example_classifies_as_well_as_with_mirrored_strategy(tmp_path
 @pytest.mark.parametrize("options,message", [
     ({"param_sync_step": 0}, "param_sync_step'] must be an int >= 1"),
     ({"param_sync_stepp": 4}, "LocalSGDStrategy has no option 'param_sync_stepp'"),
-    ({"param_sync_time_diff": 60}, "'param_sync_time_diff' is not supported for TF2 programs"),
+    ({"param_sync_time_diff": 60}, "'param_sync_time_diff' is not supported for TF2 programs: a sync by time needs a clock"),
     ({"sync_warmup_steps": 100}, "'sync_warmup_steps' is not supported for TF2 programs"),
     ({"param_sync_step_ramp": 100}, "'param_sync_step_ramp' is not supported for TF2 programs"),
-    ({"optimizer_state_at_sync": "reset"}, "optimizer_state_at_sync 'reset' is not supported for TF2 programs"),
-    ({"outer_optimizer": {"class": "slowmo"}}, "outer_optimizer class 'slowmo' is not supported for TF2 programs"),
+    ({"optimizer_state_at_sync": "reset"}, "optimizer_state_at_sync 'reset' is not supported for TF2 programs: the strategy does "
+     "not see the program's optimizer"),
+    ({"outer_optimizer": {"class": "slowmo"}}, "outer_optimizer class 'slowmo' is not supported for TF2 programs: SlowMo's outer step "
+     "scales by the inner learning rate"),
     ({"sync_error_feedback": False}, "'sync_error_feedback'] applies to sync_dtype 'int8' or 'int4'"),
     ({"param_sync_step": 8, "sync_delay": 8}, "'sync_delay'] must be less than param_sync_step / sync_fragments"),
     ({"sync_bucket_bytes": 2 ** 20}, "LocalSGDStrategy has no option 'sync_bucket_bytes'"),
