@@ -422,3 +422,35 @@ def test_outer_settings_known_to_overshoot_are_warned_about_at_start(outer, sync
     assert bool(warning) == warns
     if warns:
         assert f"param_sync_step {sync_step}" in warning and "learning_rate / (1 - momentum)" in warning
+
+
+@pytest.mark.parametrize("param_sync_step,fragments,delay", [
+    (1, 1, 0), (3, 1, 0), (8, 4, 0), (6, 4, 0), (3, 4, 0), (4, 2, 1), (8, 4, 1), (9, 3, 2), (12, 2, 5)])
+def test_the_traced_clock_of_tf2_programs_answers_as_the_trainers_schedule(param_sync_step, fragments, delay):
+    """The two clocks side by side: the trainer's ``SyncSchedule`` on the host and the traced one a
+    TF2 program's strategy counts (``TracedSchedule``, in a ``tf.function``), over five cycles with
+    a ``sync_now`` (a restart, after applying the sync in flight) in the middle of the second and
+    the fourth cycle: after every update the same fragments are due, applied and left in flight."""
+    from returnn_tpu.strategies.sync import SyncDue, SyncSchedule, TracedSchedule
+
+    host = SyncSchedule(param_sync_step, fragments=fragments, delay=delay)
+    traced = TracedSchedule(param_sync_step, fragments=fragments, delay=delay)
+    since_restart = tf.Variable(0, dtype=tf.int64)
+    after_update = tf.function(lambda: traced.row(since_restart.assign_add(1)))
+
+    @tf.function
+    def sync_now():
+        in_flight = traced.row(since_restart.read_value())[2]
+        since_restart.assign(0)
+        return in_flight
+
+    def named(mask):
+        return tuple(int(i) for i in numpy.flatnonzero(mask.numpy()))
+
+    restarts = {param_sync_step + param_sync_step // 2 + 1, 3 * param_sync_step + 2}
+    for update in range(1, 5 * param_sync_step + 1):
+        if update in restarts:
+            assert named(sync_now()) == host.take_in_flight(), update
+            host.synced()
+        due = host.step() or SyncDue()
+        assert tuple(named(mask) for mask in after_update()) == (due.fragments, due.applied, host.in_flight), update

@@ -24,7 +24,7 @@ from tensorflow.python.distribute import values as values_lib
 
 from returnn_tpu.strategies.devices import KEYS_PER_STRATEGY, own_collective_key_base
 from returnn_tpu.strategies.extended import LocalSGDExtendedMixin
-from returnn_tpu.strategies.sync import SyncSchedule, make_averaging, mean_over_all_replicas, split_into_fragments
+from returnn_tpu.strategies.sync import TracedSchedule, make_averaging, mean_over_all_replicas, split_into_fragments
 
 
 class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended):
@@ -48,8 +48,9 @@ class ScheduledLocalSGDMixin:
       schedule counts it, and the fragments due are synced by a second ``strategy.run`` in the
       same program, under ``tf.cond``: ``sync_fragments`` F splits the trainable variables into F
       fragments, fragment i synced after update ``(i + 1) * N / F`` of each cycle of
-      ``param_sync_step`` N updates (:class:`returnn_tpu.strategies.sync.SyncSchedule`'s rule);
-      with ``sync_delay`` d, a sync's mean is taken after its update and applied d updates later.
+      ``param_sync_step`` N updates; with ``sync_delay`` d, a sync's mean is taken after its update
+      and applied d updates later. The rule is the trainer's :class:`returnn_tpu.strategies.sync.SyncSchedule`,
+      read from the table :class:`returnn_tpu.strategies.sync.TracedSchedule` derives from it.
     * How copies combine is :func:`returnn_tpu.strategies.sync.make_averaging`'s object for the
       options: plain averaging, DiLoCo's Nesterov outer step, ``sync_dtype`` (int8/int4 with error
       feedback), ``sync_mix``. Its state (anchors, outer momenta, residuals) is made beside each
@@ -65,18 +66,17 @@ class ScheduledLocalSGDMixin:
         """``options``: the checked :class:`returnn_tpu.options.DistributeOptions`;
         ``keep_synced_model``: keep the model of the last sync where the syncs do not need it
         (:meth:`synced_model`; several workers)."""
-        self.param_sync_step = options.param_sync_step
         self.sync_delay = options.sync_delay
         self.averaging = make_averaging(options, keep_synced_model=keep_synced_model)
-        self._fragment_ends = SyncSchedule(options.param_sync_step, fragments=options.sync_fragments).fragment_ends
+        self._schedule = TracedSchedule(options.param_sync_step, fragments=options.sync_fragments,
+                                        delay=options.sync_delay)
         self._syncing = False  # while a sync's own run is built: its all-reduces reduce
 
         def counter(name, value=0):  # plain host variables, outside the strategy's scope
             return tf.Variable(value, dtype=tf.int64, trainable=False, name=f"local_sgd/{name}")
 
         self._updates, self._updates_scheduled = counter("updates"), counter("updates_scheduled")
-        self._cycle = counter("updates_in_cycle")
-        self._in_flight, self._updates_in_flight = counter("fragment_in_flight", -1), counter("updates_in_flight")
+        self._since_restart = counter("updates_since_restart")  # the traced clock (TracedSchedule)
         self._syncs, self._bytes = counter("syncs"), counter("bytes")
         self._synced_variables = {}  # key (creation order) -> a trainable variable made in the scope
         self._sync_now_traced = None  # (variables when traced, sync_now's program)
@@ -132,37 +132,25 @@ class ScheduledLocalSGDMixin:
     # ---- the schedule (cross-replica context; the same decisions on every worker) -------------
 
     def _count_update(self):
-        """One update made: the syncs due after it (the tf.cond branch after a ``strategy.run``)."""
+        """One update made: what the schedule says after it (the tf.cond branch after a
+        ``strategy.run``); overlapped, the sync in flight is applied before what is due starts,
+        as the trainer's :class:`returnn_tpu.strategies.sync.OverlappedSyncs` does."""
         self._updates_scheduled.assign(self._updates)
-        cycle = self._cycle.assign_add(1)
-        due = [tf.equal(cycle, end) for end in self._fragment_ends]
-        with tf.control_dependencies(due):
-            self._cycle.assign(tf.where(cycle >= self.param_sync_step, tf.constant(0, tf.int64), cycle))
+        due, applied, _ = self._schedule.row(self._since_restart.assign_add(1))
+        fragments = self._fragments()
         if self.sync_delay:
-            self._apply_in_flight(flush=tf.reduce_any(due))
-        for fragment, variables in self._fragments():
-            if self.sync_delay:
-                when(due[fragment],
-                     lambda fragment=fragment, variables=variables: self._start_overlapped(fragment, variables))
-            else:
-                when(due[fragment], lambda variables=variables: self._sync_fragment(variables))
-
-    def _apply_in_flight(self, flush):
-        """Overlapped syncs: applies the sync in flight once it has been in flight ``sync_delay``
-        updates, or before a new one starts (``flush``)."""
-        in_flight = self._in_flight.read_value()
-        waited = tf.where(in_flight >= 0, self._updates_in_flight.assign_add(1), tf.constant(0, tf.int64))
-        ready = tf.logical_and(in_flight >= 0, tf.logical_or(waited >= self.sync_delay, flush))
-        for fragment, variables in self._fragments():
-            when(tf.logical_and(ready, tf.equal(in_flight, fragment)),
-                 lambda variables=variables: self._finish_overlapped(variables))
+            for fragment, variables in fragments:
+                when(applied[fragment], lambda variables=variables: self._finish_overlapped(variables))
+        for fragment, variables in fragments:
+            start = self._start_overlapped if self.sync_delay else self._sync_fragment
+            when(due[fragment], lambda variables=variables, start=start: start(variables))
 
     def _fragments(self):
         """``(index, its trainable variables: key -> variable)`` of each fragment that has any,
         split as the trainer splits (a model of fewer variables than fragments leaves some empty)."""
         sizes = {key: var.shape.num_elements() * var.dtype.size for key, var in self._synced_variables.items()}
         return [(index, {key: self._synced_variables[key] for key in keys})
-                for index, keys in enumerate(split_into_fragments(sizes, len(self._fragment_ends))) if keys]
+                for index, keys in enumerate(split_into_fragments(sizes, self._schedule.num_fragments)) if keys]
 
     def _in_replicas(self, sync_in_replica):
         """Runs ``sync_in_replica(strategy)`` in replica context on every replica, its all-reduces
@@ -183,20 +171,17 @@ class ScheduledLocalSGDMixin:
             strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))
         self._count_sync(variables)
 
-    def _start_overlapped(self, fragment: int, variables: dict):
+    def _start_overlapped(self, variables: dict):
         def snapshot_and_reduce(strategy):
             self.averaging.snapshot_in_replica(strategy, variables)
             self.averaging.reduce_in_replica(strategy, list(variables))
 
         self._in_replicas(snapshot_and_reduce)
-        self._in_flight.assign(fragment)
-        self._updates_in_flight.assign(0)
         self._count_sync(variables)
 
     def _finish_overlapped(self, variables: dict):
         self._in_replicas(lambda strategy: self.averaging.apply_in_replica(
             strategy, variables, learning_rate=tf.constant(1.0)))
-        self._in_flight.assign(-1)
 
     def _count_sync(self, variables):
         local_copies = len(self.worker_devices)
@@ -219,10 +204,12 @@ class ScheduledLocalSGDMixin:
 
     def _sync_all(self):
         if self.sync_delay:
-            self._apply_in_flight(flush=tf.constant(True))
+            _, _, in_flight = self._schedule.row(self._since_restart.read_value())
+            for fragment, variables in self._fragments():
+                when(in_flight[fragment], lambda variables=variables: self._finish_overlapped(variables))
         for _, variables in self._fragments():
             self._sync_fragment(variables)
-        self._cycle.assign(0)
+        self._since_restart.assign(0)  # a restart of the schedule, as the trainer's after a full sync
 
     @property
     def checkpoint_state(self) -> tf.train.Checkpoint:

@@ -19,7 +19,7 @@ from returnn_tpu.strategies.sync.averaging import ParameterAveraging, mean_over_
 from returnn_tpu.strategies.sync.diloco import DiLoCoAveraging
 from returnn_tpu.strategies.sync.fragments import split_into_fragments
 from returnn_tpu.strategies.sync.lifecycle import CopiesAlwaysEqual, LocalSGDSyncs, OverlappedSyncs
-from returnn_tpu.strategies.sync.schedule import SyncDue, SyncSchedule
+from returnn_tpu.strategies.sync.schedule import SyncDue, SyncSchedule, TracedSchedule
 from returnn_tpu.strategies.sync.slowmo import SlowMoAveraging
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "SlowMoAveraging",
     "SyncDue",
     "SyncSchedule",
+    "TracedSchedule",
     "mean_over_all_replicas",
     "mean_within_groups",
     "split_into_fragments",

@@ -13,6 +13,8 @@ import dataclasses
 import time
 from typing import Callable, Optional, Tuple
 
+import tensorflow as tf
+
 
 @dataclasses.dataclass(frozen=True)
 class SyncDue:
@@ -161,3 +163,42 @@ class SyncSchedule:
         self.steps_since_sync = 0
         self.last_sync_time = time.monotonic()
         self._start_cycle()
+
+
+class TracedSchedule:
+    """:class:`SyncSchedule`'s rule for a program that counts its updates in a trace (a TF2
+    program's local SGD, :class:`returnn_tpu.strategies.local_sgd.ScheduledLocalSGDMixin`),
+    derived from the host's rule rather than written again: a host schedule is run for the first
+    ``2 * param_sync_step`` updates after a (re)start, and what it answers after each (the
+    fragments due, those of the sync in flight that are applied, those left in flight) becomes a
+    table. From the second cycle on the answers repeat with every cycle (checked here, on a third
+    cycle), so the traced clock is one counter, the updates since the last (re)start, and a
+    lookup (:meth:`row`). Schedules whose answers depend on more than that counter (by time, a
+    warm-up, a ramp, worker-local rounds) have no such table; the TF2 path refuses them
+    (:data:`returnn_tpu.options.NOT_FOR_TF2_PROGRAMS`).
+    """
+
+    def __init__(self, param_sync_step: int, *, fragments: int = 1, delay: int = 0):
+        self.param_sync_step = param_sync_step
+        self.num_fragments = fragments
+        host = SyncSchedule(param_sync_step, fragments=fragments, delay=delay)
+        rows = [((), (), ())]  # row 0: before the first update of a (re)start
+        for _ in range(3 * param_sync_step):
+            due = host.step() or SyncDue()
+            rows.append((due.fragments, due.applied, host.in_flight))
+        cycle = slice(param_sync_step + 1, 2 * param_sync_step + 1)
+        assert rows[cycle] == rows[2 * param_sync_step + 1:], "the host schedule does not repeat with its cycle"
+        self.rows = rows[:2 * param_sync_step + 1]
+        self._table = tf.constant([[[i in part for i in range(fragments)] for part in row] for row in self.rows])  # [row, (due, applied, in flight), fragment]
+
+    def row_index(self, updates: tf.Tensor) -> tf.Tensor:
+        """The table's row after ``updates`` updates since the last (re)start: itself within the
+        first two cycles, then the second cycle's row at the same place of the cycle."""
+        n = self.param_sync_step
+        return tf.where(updates <= 2 * n, updates, n + 1 + (updates - n - 1) % n)
+
+    def row(self, updates: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """Boolean masks over the fragments after ``updates`` updates since the last (re)start:
+        those due now, those of the sync in flight applied now, those in flight afterwards."""
+        row = tf.gather(self._table, self.row_index(updates))
+        return row[0], row[1], row[2]
