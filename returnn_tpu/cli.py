@@ -139,9 +139,6 @@ def distribute_options_from_config(config):
     return DistributeOptions.from_config_values(strategy, options)
 
 
-MULTI_WORKER_STRATEGIES = ("local_sgd", "multi_worker_mirrored")
-
-
 def set_worker_log(config, worker_index: int):
     """Non-chief workers log to ``<log>.worker<N>`` and print only errors and epoch results."""
     logs = [f"{path}.worker{worker_index}" if path not in ("stdout", "|") else path for path in config.list("log", [])]
@@ -192,7 +189,9 @@ def train(filename: str, overrides: List[str]) -> int:
         from returnn_tpu.patches import setup_returnn
         from returnn_tpu.returnn_bridge import check_xla_compatible
         from returnn_tpu.session_options import apply_session_options
+        from returnn_tpu.options import MULTI_WORKER_STRATEGY_NAMES
         from returnn_tpu.startup import check_classes, select_backend, use_persistent_xla_cache
+        from returnn_tpu.strategies import check_replicas_per_worker
         from returnn_tpu.trainer import Trainer
 
         if options.jit_compile:
@@ -204,10 +203,8 @@ def train(filename: str, overrides: List[str]) -> int:
         if options.jit_compile:
             check_xla_compatible(config.typed_value("network") or {})
         ignored = apply_session_options(config)
-        cluster = resolve_cluster(options.cluster_resolver) if options.strategy in MULTI_WORKER_STRATEGIES else None
-        if cluster and cluster.num_workers > 1 and (options.num_replicas or 1) != 1 and not _has_gpus():
-            raise ConfigError(f"distribute_options['num_replicas'] must be 1 (or left out) with several CPU workers "
-                              f"(each has one replica), got {options.num_replicas}; or run on GPUs")
+        cluster = resolve_cluster(options.cluster_resolver) if options.strategy in MULTI_WORKER_STRATEGY_NAMES else None
+        check_replicas_per_worker(options, cluster)
         if cluster and not cluster.is_chief:
             set_worker_log(config, cluster.worker_index)
         new_paths = _new_paths(config)
@@ -224,7 +221,7 @@ def train(filename: str, overrides: List[str]) -> int:
         rnn.returnn_greeting(config_filename=filename, command_line_options=overrides)
         for message in ignored:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
-        trainer = Trainer(config, options, cluster, config_source=(filename, overrides))
+        trainer = Trainer(config, options, cluster, config_source=(filename, overrides), checked=True)
         for signum in STOP_SIGNALS:  # replaces TensorFlow's multi-worker handler
             signal.signal(signum, trainer.stops.request.handle)
         trainer.stops.watch_signals(STOP_SIGNALS)
@@ -274,12 +271,6 @@ def _remove_new_paths(paths: List[str]):
             os.rmdir(path) if os.path.isdir(path) else os.remove(path)
         except OSError:
             pass  # already gone, or a folder someone else wrote into
-
-
-def _has_gpus() -> bool:
-    import tensorflow as tf
-
-    return bool(tf.config.list_physical_devices("GPU"))
 
 
 def _abort_mpi_job(status: int):

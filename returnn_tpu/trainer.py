@@ -36,16 +36,16 @@ from returnn_tpu.workers import WorkerCollectives
 class Trainer:
     """Trains the network of a RETURNN config with the configured distribution strategy.
 
-    ``config_source`` is the config file and its ``++`` overrides, from which the dataset
-    producer process (``data_producer = "process"``) loads the same config; a trainer made
-    without it (from a ``Config`` object) reads its data on a thread.
-    """
+    ``config_source``: the config file and its ``++`` overrides, from which the data producer
+    process loads the same config (without: data on a thread). ``checked``: the command line
+    has checked the config (:func:`returnn_tpu.startup.check_config`)."""
 
     def __init__(self, config, options: DistributeOptions, cluster: Optional[Cluster] = None,
-                 config_source: Optional[Tuple[str, List[str]]] = None):
+                 config_source: Optional[Tuple[str, List[str]]] = None, checked: bool = False):
         from returnn.log import log
 
-        check_config(config)  # as the command line checks it, for trainers made from a Config object
+        if not checked:  # a trainer made from a Config object: as the command line checks it
+            check_config(config)
         self.config = config
         self.learning_rate_control = learning_rate_control(config)  # bad input found before anything starts
         self.options = options

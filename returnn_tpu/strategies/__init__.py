@@ -10,7 +10,8 @@ from typing import Optional
 import tensorflow as tf
 
 from returnn_tpu.cluster import Cluster
-from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
+from returnn_tpu.errors import ConfigError
+from returnn_tpu.options import MULTI_WORKER_STRATEGY_NAMES, TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices, own_collective_key_base
 from returnn_tpu.strategies.local_sgd import LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
@@ -58,7 +59,7 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     them (one replica per worker on CPU; per GPU on GPU machines); otherwise this machine's devices.
     """
     multi_worker = cluster is not None and cluster.num_workers > 1
-    if options.strategy == "multi_worker_mirrored" or (options.strategy == "local_sgd" and multi_worker):
+    if options.strategy == "multi_worker_mirrored" or (options.strategy in MULTI_WORKER_STRATEGY_NAMES and multi_worker):
         cls = TrainerMultiWorkerLocalSGDStrategy if options.strategy == "local_sgd" else MultiWorkerMirroredStrategy
         return with_own_collective_keys(
             cls,
@@ -81,6 +82,16 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     if options.strategy == "local_sgd":
         return with_own_collective_keys(TrainerLocalSGDStrategy, devices)
     raise AssertionError(f"unhandled distribute_strategy {options.strategy!r}")  # options.py validated it
+
+
+def check_replicas_per_worker(options: DistributeOptions, cluster: Optional[Cluster]):
+    """Before TensorFlow's devices start: a CPU worker of several has one replica
+    (``make_strategy``'s multi-worker strategies place one per worker on CPU); bad input otherwise."""
+    if cluster is None or cluster.num_workers < 2 or (options.num_replicas or 1) == 1:
+        return
+    if not tf.config.list_physical_devices("GPU"):
+        raise ConfigError(f"distribute_options['num_replicas'] must be 1 (or left out) with several CPU workers "
+                          f"(each has one replica), got {options.num_replicas}; or run on GPUs")
 
 
 def varying_shapes_spec(batches):
