@@ -155,9 +155,9 @@ def serving_rate(work: str, args):
 
     from returnn.config import Config
 
-    from returnn_tpu.batching import BatchingOptions
-    from returnn_tpu.producer import DataProducer, RemoteProducer
-    from returnn_tpu.producer_serving import ServeOptions
+    from returnn_tpu.datapath.batching import BatchingOptions
+    from returnn_tpu.datapath.producer import DataProducer, RemoteProducer
+    from returnn_tpu.datapath.producer_serving import ServeOptions
 
     features = os.path.join(work, "features.hdf")
     write_hdf(features, args.seqs, dim=40)
@@ -204,8 +204,8 @@ def serving_rate(work: str, args):
 
 def _speech_request(config_path: str, overrides):
     """The speech config's training batches for one replica: (config, EpochBatches arguments, templates)."""
-    from returnn_tpu.batching import BatchingOptions, template_shapes
-    from returnn_tpu.network_inputs import extern_data_template
+    from returnn_tpu.datapath.batching import BatchingOptions, template_shapes
+    from returnn_tpu.returnn_side.network_inputs import extern_data_template
     from returnn_tpu.startup import load_config
 
     config = load_config(config_path, overrides)
@@ -222,10 +222,10 @@ def loader_rates(args):
     import statistics
     import time
 
-    from returnn_tpu.data import EpochBatches
-    from returnn_tpu.datasets import init_datasets
-    from returnn_tpu.producer import DataProducer
-    from returnn_tpu.producer_process import one_math_thread
+    from returnn_tpu.datapath.data import EpochBatches
+    from returnn_tpu.datapath.datasets import init_datasets
+    from returnn_tpu.datapath.producer import DataProducer
+    from returnn_tpu.datapath.producer_process import one_math_thread
     from threadpoolctl import threadpool_info, threadpool_limits
 
     os.environ["SPEECH_CORPUS"] = args.speech_dir

@@ -42,7 +42,7 @@ def worker_main(args):
     from returnn_tpu.cluster import resolve_cluster
     from returnn_tpu.options import DistributeOptions
     from returnn_tpu.reporting import EpochStats
-    from returnn_tpu.returnn_bridge import in_process_config
+    from returnn_tpu.returnn_side.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
     # One core per worker: the machine's cores are shared out, so "one worker alone, x2" is a

@@ -42,7 +42,7 @@ def network(unit: str) -> dict:
 
 
 def make_config(unit: str, model_dir: str):
-    from returnn_tpu.returnn_bridge import in_process_config
+    from returnn_tpu.returnn_side.returnn_bridge import in_process_config
 
     return in_process_config(
         {

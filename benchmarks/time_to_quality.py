@@ -84,7 +84,7 @@ def exchanges_per_update() -> float:
     """The trainer's small exchanges between workers per update: the agreement on where the epoch
     ends (every ``AHEAD_STEPS`` steps), whether a worker is to stop (every ``STOP_CHECK_STEPS``)
     and the non-finite counts (every ``NONFINITE_CHECK_STEPS``); each is one tiny all-gather."""
-    from returnn_tpu.epochs import AHEAD_STEPS
+    from returnn_tpu.datapath.epochs import AHEAD_STEPS
     from returnn_tpu.faults import NONFINITE_CHECK_STEPS, STOP_CHECK_STEPS
 
     return 1 / AHEAD_STEPS + 1 / STOP_CHECK_STEPS + 1 / NONFINITE_CHECK_STEPS

@@ -67,7 +67,7 @@ def networks(units: int) -> dict:
 def make_trainer(network, jit: bool, model_dir: str, shapes=SHAPES):
     """A one-device trainer of ``network`` in this process, with or without ``jit_compile``."""
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.returnn_bridge import in_process_config
+    from returnn_tpu.returnn_side.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
     values = {

@@ -130,7 +130,7 @@ class ResumePoint(NamedTuple):
 class SyncPoint(NamedTuple):
     """Where every worker's copies were last combined: in ``epoch`` after ``steps_done`` of its
     steps, ``updates`` updates since the run began; ``data``: where this worker's data streams
-    stood there (:meth:`returnn_tpu.epochs.EpochData.stream_points`)."""
+    stood there (:meth:`returnn_tpu.datapath.epochs.EpochData.stream_points`)."""
 
     epoch: int
     steps_done: int
@@ -353,7 +353,7 @@ class RunCheckpoints:
     """The checkpoints of one training run: what each holds, its name, where the run resumes, when
     one is written and removed. The trainer asks; this decides.
 
-    ``networks`` (:class:`returnn_tpu.networks.EpochNetworks`) names an epoch's file (pretrain
+    ``networks`` (:class:`returnn_tpu.returnn_side.networks.EpochNetworks`) names an epoch's file (pretrain
     epochs have their own names); ``builder`` holds the current network's variables, ``optimizer``
     its state, ``averaging`` (local SGD; None otherwise) the anchors and outer momenta. Only the
     chief (worker 0) writes the model; each worker writes where its data streams stood beside an

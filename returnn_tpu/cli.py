@@ -187,7 +187,7 @@ def train(filename: str, overrides: List[str]) -> int:
         from returnn_tpu.launcher import STOP_SIGNALS
         from returnn_tpu.optimizers import optimizer_from_config
         from returnn_tpu.patches import setup_returnn
-        from returnn_tpu.returnn_bridge import check_xla_compatible
+        from returnn_tpu.returnn_side.returnn_bridge import check_xla_compatible
         from returnn_tpu.session_options import apply_session_options
         from returnn_tpu.options import MULTI_WORKER_STRATEGY_NAMES
         from returnn_tpu.startup import check_classes, select_backend, use_persistent_xla_cache
@@ -331,7 +331,7 @@ def _training_failure(exc: Exception, cluster) -> int:
     """One line and the exit status for the failures training reports so (see module doc);
     re-raises any other exception."""
     from returnn_tpu import checkpoints
-    from returnn_tpu.producer_protocol import ProducerError
+    from returnn_tpu.datapath.producer_protocol import ProducerError
     from returnn_tpu.reporting import RecordWriteError
     from returnn_tpu.errors import RESUMABLE_STATUS
     from returnn_tpu.faults import PEER_LOSS_ERRORS, NonFiniteScore, PeerLost, Stopped, reported_refusal

@@ -130,7 +130,7 @@ class DistributeOptions:
     :ivar skip_nonfinite_steps: an update whose loss or gradient is NaN or Inf in a replica is
         skipped and counted; without it, such an update stops the run.
     :ivar data_producer: where the training data is read, batched and padded: ``"process"``, a
-        producer process per worker (:mod:`returnn_tpu.producer`), ``"chief"``, one on worker 0
+        producer process per worker (:mod:`returnn_tpu.datapath.producer`), ``"chief"``, one on worker 0
         that serves all workers over TCP (the dataset is read once per epoch across the
         cluster), or ``"thread"``, a thread of the training process.
     :ivar data_prefetch: how many steps' batches are read ahead of training.

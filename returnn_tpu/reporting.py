@@ -378,7 +378,7 @@ def _scalar(tag: str, value: float, step: int):
 def evaluate(steps, data, epoch: int, sum_over_workers: Callable[[List[float]], List[float]],
              exp_loss: bool) -> Dict[str, Dict[str, Dict[str, float]]]:
     """RETURNN's scores of the current (combined) model on each eval dataset of ``data``
-    (:class:`returnn_tpu.epochs.EpochData`): ``{"dev": {"score": .., "error": ..}}``.
+    (:class:`returnn_tpu.datapath.epochs.EpochData`): ``{"dev": {"score": .., "error": ..}}``.
 
     Every batch is evaluated exactly once, spread over all replicas of all workers by ``steps``
     (:class:`returnn_tpu.steps.ReplicaSteps`); the sums are combined with ``sum_over_workers``.

@@ -85,7 +85,7 @@ def run_row(strategy: str, options: dict) -> dict:
     """In this (fresh) process: STEPS train steps of the tiny network, then a sync; the figures."""
     import numpy
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.returnn_bridge import in_process_config
+    from returnn_tpu.returnn_side.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
     folder = tempfile.mkdtemp(prefix="returnn_tpu_check_")

@@ -1,8 +1,8 @@
 """The compiled functions of a training run: train step and eval step.
 
 A train step is a ``tf.function`` that calls ``strategy.run`` on each replica's forward and
-backward pass (:mod:`returnn_tpu.replica_pass`; the RETURNN network is built inside that trace,
-see :mod:`returnn_tpu.returnn_bridge`), optionally compiled by XLA. The update then happens
+backward pass (:mod:`returnn_tpu.returnn_side.replica_pass`; the RETURNN network is built inside that trace,
+see :mod:`returnn_tpu.returnn_side.returnn_bridge`), optionally compiled by XLA. The update then happens
 
 * in cross-replica context (CPU/GPU strategies): :meth:`Optimizer.apply` updates every copy,
   with the replicas' mean gradient or each replica's own, as the strategy's ``syncs`` say;
@@ -27,10 +27,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy
 import tensorflow as tf
 
-from returnn_tpu.data import read_ahead
+from returnn_tpu.datapath.data import read_ahead
 from returnn_tpu.optimizers import GradientOptions, Optimizer, StepLearningRate
-from returnn_tpu.replica_pass import ReplicaPass
-from returnn_tpu.returnn_bridge import NetworkBuilder
+from returnn_tpu.returnn_side.replica_pass import ReplicaPass
+from returnn_tpu.returnn_side.returnn_bridge import NetworkBuilder
 from returnn_tpu.strategies import CopiesAlwaysEqual, SyncDue, distribute_local_values, varying_shapes_spec
 
 
@@ -92,7 +92,7 @@ class ReplicaSteps:
 
     def place(self, step_batches: List) -> List[Dict[str, tf.Tensor]]:
         """Each local replica's batch as tensors on that replica's device. Called on a thread one
-        step ahead (:func:`returnn_tpu.data.read_ahead`), so a step finds its batch there and
+        step ahead (:func:`returnn_tpu.datapath.data.read_ahead`), so a step finds its batch there and
         does not wait for the host-to-device copy."""
         placed = []
         for device, batch in zip(self.strategy.extended.worker_devices, step_batches):

@@ -1,7 +1,7 @@
 """The training loop: epochs, steps, learning-rate control, checkpoints, dev scores.
 
 Each decision has its own owner, which the loop asks: the network an epoch trains and its steps
-:mod:`returnn_tpu.current_network`, an epoch's batches :mod:`returnn_tpu.epochs`, when and how the
+:mod:`returnn_tpu.returnn_side.current_network`, an epoch's batches :mod:`returnn_tpu.datapath.epochs`, when and how the
 copies are combined the strategy's syncs (:func:`returnn_tpu.strategies.make_syncs`), the
 checkpoints :mod:`returnn_tpu.checkpoints`, whether a run stops :mod:`returnn_tpu.faults` and what
 a stop saves and says :mod:`returnn_tpu.stops`, what is reported :mod:`returnn_tpu.reporting`.
@@ -17,15 +17,15 @@ from typing import Dict, List, Optional, Tuple
 import returnn_tpu
 from returnn_tpu import checkpoints, xla
 from returnn_tpu.cluster import Cluster
-from returnn_tpu.current_network import CurrentNetwork
-from returnn_tpu.epochs import EpochData
+from returnn_tpu.returnn_side.current_network import CurrentNetwork
+from returnn_tpu.datapath.epochs import EpochData
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.faults import NONFINITE_CHECK_STEPS, PEER_LOSS_ERRORS, NonFiniteMonitor
-from returnn_tpu.networks import EpochNetworks, learning_rate_control
+from returnn_tpu.returnn_side.networks import EpochNetworks, learning_rate_control
 from returnn_tpu.optimizers import optimizer_from_config
 from returnn_tpu.options import DistributeOptions
 from returnn_tpu.reporting import EpochReport, EpochStats, ScoreAccumulator, StepProgress, evaluate
-from returnn_tpu.returnn_bridge import NetworkBuilder
+from returnn_tpu.returnn_side.returnn_bridge import NetworkBuilder
 from returnn_tpu.strategies import make_strategy, make_syncs
 from returnn_tpu.startup import check_config
 from returnn_tpu.stops import RunStops

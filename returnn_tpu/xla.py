@@ -2,8 +2,8 @@
 with buckets, and the per-epoch figures of compilation and padding.
 
 The compiled step itself is :class:`returnn_tpu.steps.ReplicaSteps`' (``jit_compile``), the
-buckets :class:`returnn_tpu.batching.BucketBatching`, the check that a network compiles
-:func:`returnn_tpu.returnn_bridge.check_xla_compatible`.
+buckets :class:`returnn_tpu.datapath.batching.BucketBatching`, the check that a network compiles
+:func:`returnn_tpu.returnn_side.returnn_bridge.check_xla_compatible`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def prepare_config(config):
 def epoch_figures(data, steps) -> Optional[dict]:
     """The epoch's XLA figures for ``metrics.jsonl`` (shapes compiled so far, the epoch's
     compilations and their seconds, padding, dropped sequences), read from the epoch's data
-    (:class:`returnn_tpu.epochs.EpochData`) and ``steps``; None without buckets."""
+    (:class:`returnn_tpu.datapath.epochs.EpochData`) and ``steps``; None without buckets."""
     counted = data.xla_counters()
     if counted is None:
         return None

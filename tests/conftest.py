@@ -70,7 +70,7 @@ class Code(str):
 def make_trainer(tmp_path, network, *, strategy="local_sgd", num_replicas=2, **config_values):
     """A Trainer for the 12AX task (9 inputs, 2 classes), with checkpoints under tmp_path."""
     from returnn_tpu.options import DistributeOptions
-    from returnn_tpu.returnn_bridge import in_process_config
+    from returnn_tpu.returnn_side.returnn_bridge import in_process_config
     from returnn_tpu.trainer import Trainer
 
     values = {

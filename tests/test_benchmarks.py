@@ -62,7 +62,7 @@ def test_the_time_model_adds_up_compute_transfers_exchanges_warmup_and_overlap()
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     from time_to_quality import Collectives, Link, Machine, Setting, exchanges_per_update, updates_to
 
-    from returnn_tpu.epochs import AHEAD_STEPS
+    from returnn_tpu.datapath.epochs import AHEAD_STEPS
     from returnn_tpu.faults import NONFINITE_CHECK_STEPS, STOP_CHECK_STEPS
 
     link = Link(1e8, 0.02)

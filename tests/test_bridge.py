@@ -81,7 +81,7 @@ def test_replicas_drop_different_units(tmp_path):
     @tf.function(autograph=False)
     def dropout_masks(batch):
         def replica(b):
-            from returnn_tpu.returnn_bridge import static_replica_id
+            from returnn_tpu.returnn_side.returnn_bridge import static_replica_id
 
             net, _ = trainer.builder.build(b, train=True, replica_id=static_replica_id())
             return tf.cast(net.get_default_output_layer().output.placeholder > 0, tf.float32)

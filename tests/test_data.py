@@ -50,8 +50,8 @@ def test_shard_uses_every_sequence_once_across_local_replicas(tmp_path):
 
 def test_shard_uses_every_sequence_once_across_workers(tmp_path):
     """Each of two workers (one replica each) deals the same batches and takes its own."""
-    from returnn_tpu.data import EpochBatches
-    from returnn_tpu.datasets import init_datasets
+    from returnn_tpu.datapath.data import EpochBatches
+    from returnn_tpu.datapath.datasets import init_datasets
 
     trainer = _trainer(tmp_path, "shard")
     seen, steps = collections.Counter(), []
@@ -110,7 +110,7 @@ def test_streamed_dealing_re_cuts_the_tail_as_dealing_the_whole_list_does():
     :func:`deal_evenly` gives for the whole epoch's list, for every length and replica count."""
     from returnn.engine.batch import Batch
 
-    from returnn_tpu.data import deal_evenly, dealt_stream
+    from returnn_tpu.datapath.data import deal_evenly, dealt_stream
 
     def seqs(batches):
         return [[part.seq_idx for part in batch.seqs] for batch in batches]
@@ -142,7 +142,7 @@ def _streaming_setup(train, batch_size=200, max_seqs=4):
     from returnn.config import Config
     from returnn.datasets import init_dataset
 
-    from returnn_tpu.batching import BatchingOptions, templates_from_shapes
+    from returnn_tpu.datapath.batching import BatchingOptions, templates_from_shapes
 
     config = Config({"batch_size": batch_size, "max_seqs": max_seqs})
     extern_data = templates_from_shapes({"data": {"shape": (None, 9), "dtype": "float32", "batch_dim_axis": 0},
@@ -157,7 +157,7 @@ def test_a_million_sequences_stream_without_a_pass_over_the_epoch(kind, distribu
     """10^6 generated sequences (``DummyDataset``, and a ``CachedDataset2`` over it): the first
     steps, and a continuation at step 5,000, make only the sequences of the batches near them and
     hold a few; the old batch lists made (and held) the whole epoch first."""
-    from returnn_tpu.data import EpochBatches
+    from returnn_tpu.datapath.data import EpochBatches
 
     train = {"class": "DummyDataset", "input_dim": 9, "output_dim": 2, "num_seqs": 10**6, "seq_len": 5}
     if kind == "PostprocessingDataset":
@@ -187,13 +187,13 @@ def test_buckets_stream_in_order_and_hold_a_bounded_window(monkeypatch):
     """Bucketed batches (XLA) come in the order of their first sequence, each sequence once
     (unless longer than the largest bucket), and a bucket that began more than the window back is
     handed out unfilled, so the sequences held stay bounded."""
-    import returnn_tpu.batching
+    import returnn_tpu.datapath.batching
     from returnn.config import Config
     from returnn.datasets import init_dataset
 
-    from returnn_tpu.batching import BucketBatching
+    from returnn_tpu.datapath.batching import BucketBatching
 
-    monkeypatch.setattr(returnn_tpu.batching, "BUCKET_WINDOW_SEQS", 6)
+    monkeypatch.setattr(returnn_tpu.datapath.batching, "BUCKET_WINDOW_SEQS", 6)
     dataset = init_dataset(_static_dataset())
     dataset.init_seq_order(1)
     batching = BucketBatching(Config({"batch_size": 64, "max_seqs": 8}), [4, 8], "data")
@@ -265,9 +265,9 @@ def test_an_epoch_continued_from_its_recorded_point_makes_the_same_batches_witho
     from returnn.config import Config, set_global_config
     from returnn.datasets import init_dataset
 
-    from returnn_tpu.batching import BatchingOptions
-    from returnn_tpu.data import EpochBatches
-    from returnn_tpu.network_inputs import extern_data_template
+    from returnn_tpu.datapath.batching import BatchingOptions
+    from returnn_tpu.datapath.data import EpochBatches
+    from returnn_tpu.returnn_side.network_inputs import extern_data_template
 
     config = Config()
     config.update(dict(extern_data={"data": {"dim": 9}, "classes": {"dim": 2, "sparse": True}}, batch_size=400,

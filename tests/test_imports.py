@@ -40,7 +40,8 @@ def imports_of(relative: str):
 
 def test_the_source_tree_is_where_the_rules_look():
     found = set(sources())
-    assert {"trainer.py", "data.py", "producer.py", os.path.join("strategies", "__init__.py"),
+    assert {"trainer.py", os.path.join("datapath", "data.py"), os.path.join("datapath", "producer.py"),
+            os.path.join("returnn_side", "returnn_bridge.py"), os.path.join("strategies", "__init__.py"),
             os.path.join("strategies", "sync", "schedule.py"), os.path.join("cluster", "mpi.py")} <= found
 
 
@@ -68,11 +69,35 @@ def test_only_the_strategies_know_what_kind_of_strategy_runs():
     assert "returnn_tpu.strategies.sync.make_syncs" in imports_of(os.path.join("strategies", "__init__.py"))
 
 
-@pytest.mark.parametrize("relative", ["data.py", "batching.py", "datasets.py", "producer.py", "producer_protocol.py",
-                                      "producer_blocks.py", "producer_serving.py", "producer_process.py"])
-def test_the_producer_side_never_imports_tensorflow(relative):
-    """The producer process runs without TensorFlow (its memory; docs/data.md)."""
+@pytest.mark.parametrize("relative", sorted(sources("datapath")))
+def test_the_data_path_never_imports_tensorflow(relative):
+    """The producer process runs without TensorFlow (its memory; docs/data.md), and the whole data
+    path is what it runs."""
     assert sorted(m for m in imports_of(relative) if m.split(".")[0] == "tensorflow") == []
+
+
+# What each folder may import of the package besides itself (docs/architecture.md, "The parts"):
+# the strategies and the cluster know no data and no RETURNN, the data path no strategy and no
+# network, the RETURNN side the data path's batching key only; none of them the run (trainer,
+# cli, checkpoints, ...).
+FOLDER_IMPORTS = {
+    "cluster": {"errors"},
+    "strategies": {"cluster", "errors", "options", "optimizers"},
+    "datapath": {"errors", "startup", "launcher"},
+    "returnn_side": {"datapath", "errors", "optimizers", "patches", "startup", "steps"},
+}
+
+
+@pytest.mark.parametrize("folder", sorted(FOLDER_IMPORTS))
+def test_the_import_direction_between_the_folders(folder):
+    offending = {}
+    for relative in sources(folder):
+        parts = {m.split(".")[1] for m in imports_of(relative) if m.startswith("returnn_tpu.")}
+        found = sorted(parts - FOLDER_IMPORTS[folder] - {folder})
+        if found:
+            offending[relative] = found
+    assert offending == {}
+
 
 
 def test_private_tensorflow_only_in_strategies_and_the_patches_module():

@@ -93,8 +93,8 @@ def own_copy_batches(config_path, worker: int, epoch: int) -> int:
     """How many RETURNN batches worker ``worker``'s dataset copy has in ``epoch``."""
     from returnn.config import Config
 
-    from returnn_tpu.batching import BatchingOptions
-    from returnn_tpu.datasets import init_datasets
+    from returnn_tpu.datapath.batching import BatchingOptions
+    from returnn_tpu.datapath.datasets import init_datasets
 
     config = Config()
     config.load_file(str(config_path))

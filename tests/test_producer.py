@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import REPO, Code, config_12ax, run_cli
-from returnn_tpu.producer_blocks import BLOCK_PREFIX, remove_stale_blocks
+from returnn_tpu.datapath.producer_blocks import BLOCK_PREFIX, remove_stale_blocks
 
 
 def producer_config(num_seqs: int = 37, map_seq: str = "") -> str:
@@ -32,7 +32,7 @@ PRODUCER_CONFIG = producer_config()
 def _setup(tmp_path, text=PRODUCER_CONFIG):
     from returnn.config import Config
 
-    from returnn_tpu.network_inputs import extern_data_template
+    from returnn_tpu.returnn_side.network_inputs import extern_data_template
 
     path = tmp_path / "train.config"
     path.write_text(text)
@@ -42,14 +42,14 @@ def _setup(tmp_path, text=PRODUCER_CONFIG):
 
 
 def _templates(extern_data):
-    from returnn_tpu.batching import template_shapes
+    from returnn_tpu.datapath.batching import template_shapes
 
     return template_shapes(extern_data, ["classes", "data"])
 
 
 def _in_process(config, extern_data, distribution, request):
-    from returnn_tpu.data import EpochBatches
-    from returnn_tpu.datasets import init_datasets
+    from returnn_tpu.datapath.data import EpochBatches
+    from returnn_tpu.datapath.datasets import init_datasets
 
     datasets = init_datasets(config, "train", 2, 0, distribution)
     return list(EpochBatches(datasets, extern_data=extern_data, **request))
@@ -62,8 +62,8 @@ def _in_process(config, extern_data, distribution, request):
 def test_producer_batches_equal_in_process_batches_bit_for_bit(tmp_path, distribution, buckets, loaders):
     """Also with ``data_loaders``: RETURNN's MultiProcDataset loading the sequences in 3 processes
     (one dataset), or in 2 for each replica's copy, gives today's batches."""
-    from returnn_tpu.batching import BatchingOptions, BucketBatching
-    from returnn_tpu.producer import DataProducer
+    from returnn_tpu.datapath.batching import BatchingOptions, BucketBatching
+    from returnn_tpu.datapath.producer import DataProducer
 
     path, config, extern_data = _setup(tmp_path)
     batching = BucketBatching(config, buckets, "data") if buckets else BatchingOptions(config)
@@ -138,11 +138,11 @@ def test_data_loaders_give_one_producers_speech_batches_also_resumed(tmp_path, m
     order, 2 sub-epochs) read by 2 loader processes per dataset: the producer's batches are those
     made in this process without loaders, bit for bit, for a whole sub-epoch and for the next one
     continued at step 2 (a resume), which starts without the loaders being started again."""
-    from returnn_tpu.batching import BatchingOptions
-    from returnn_tpu.data import EpochBatches
-    from returnn_tpu.datasets import init_datasets
-    from returnn_tpu.network_inputs import extern_data_template
-    from returnn_tpu.producer import DataProducer
+    from returnn_tpu.datapath.batching import BatchingOptions
+    from returnn_tpu.datapath.data import EpochBatches
+    from returnn_tpu.datapath.datasets import init_datasets
+    from returnn_tpu.returnn_side.network_inputs import extern_data_template
+    from returnn_tpu.datapath.producer import DataProducer
     from returnn_tpu.startup import load_config
 
     monkeypatch.setenv("SPEECH_CORPUS", speech_corpus_dir)
@@ -187,9 +187,9 @@ def _blocks_of(producer):
 
 
 def test_a_killed_producer_ends_the_epoch_with_an_error_within_a_bound(tmp_path):
-    from returnn_tpu.batching import BatchingOptions
-    from returnn_tpu.producer import LIVENESS_SECONDS, DataProducer
-    from returnn_tpu.producer_protocol import ProducerError
+    from returnn_tpu.datapath.batching import BatchingOptions
+    from returnn_tpu.datapath.producer import LIVENESS_SECONDS, DataProducer
+    from returnn_tpu.datapath.producer_protocol import ProducerError
 
     path, config, extern_data = _setup(tmp_path, producer_config(400))
     producer = DataProducer(path, [], dataset_key="train", num_replicas=2, first_replica=0, distribution="shard",
@@ -366,10 +366,10 @@ def test_worker_0s_producer_serves_another_worker_its_batches_over_tcp(tmp_path)
     producer is gone."""
     import threading
 
-    from returnn_tpu.batching import BatchingOptions
-    from returnn_tpu.producer import DataProducer, RemoteProducer
-    from returnn_tpu.producer_protocol import ProducerError
-    from returnn_tpu.producer_serving import ServeOptions
+    from returnn_tpu.datapath.batching import BatchingOptions
+    from returnn_tpu.datapath.producer import DataProducer, RemoteProducer
+    from returnn_tpu.datapath.producer_protocol import ProducerError
+    from returnn_tpu.datapath.producer_serving import ServeOptions
 
     path, config, extern_data = _setup(tmp_path)
     key = os.urandom(16)
@@ -478,7 +478,7 @@ def test_a_ring_block_is_reused_only_once_the_trainer_has_released_its_step():
 
     import numpy
 
-    from returnn_tpu.producer_blocks import BlockReader, BlockWriter
+    from returnn_tpu.datapath.producer_blocks import BlockReader, BlockWriter
 
     released = multiprocessing.get_context("spawn").RawValue("q", 0)
     writer, reader = BlockWriter(released, ring=2), BlockReader(released, ring=2)
@@ -534,7 +534,7 @@ def test_blocks_of_a_gone_producer_are_removed_with_one_line_to_the_current_stde
 _REPORT_BLAS_THREADS = """
 import multiprocessing, numpy
 from threadpoolctl import threadpool_info
-from returnn_tpu.producer_process import one_math_thread
+from returnn_tpu.datapath.producer_process import one_math_thread
 
 def threads(_=None):
     return max(pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas")

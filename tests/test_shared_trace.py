@@ -113,7 +113,7 @@ def test_replicas_of_one_trace_drop_different_units(tmp_path):
 def test_random_numbers_of_a_shared_build_differ_by_seed_step_and_loop_iteration(tmp_path):
     """In a build shared by the replicas, TensorFlow's stateful random ops draw by (replica seed,
     update step, op, loop iteration): a dropout inside a rec loop gets a new mask every frame."""
-    from returnn_tpu.returnn_bridge import SharedBuild
+    from returnn_tpu.returnn_side.returnn_bridge import SharedBuild
 
     network = {
         # "d" reads the loop's state, and its mask has the batch's shape: it is made in the loop

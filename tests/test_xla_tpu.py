@@ -64,7 +64,7 @@ def test_one_compilation_per_bucket(tmp_path):
 
 
 def test_padding_is_masked(tmp_path, rng):
-    from returnn_tpu.batching import BucketBatching
+    from returnn_tpu.datapath.batching import BucketBatching
 
     trainer = make_trainer(tmp_path, LAYER_NETWORKS["standardlstm"], strategy="single", num_replicas=1)
     (batch,) = random_step_batches(rng, 1, batch=3, time=9)
@@ -84,7 +84,7 @@ def test_empty_padding_sequences_keep_attention_finite(tmp_path, rng):
     """A bucket's last batch is filled with empty sequences. RETURNN masks attention energies with
     -inf, which over no frames makes the softmax, and so the gradient, NaN; with XLA the trainer
     masks with a finite value: the step on the padded batch is the step on the batch itself."""
-    from returnn_tpu.batching import BucketBatching
+    from returnn_tpu.datapath.batching import BucketBatching
 
     plain = make_trainer(tmp_path / "plain", LAYER_NETWORKS["self_attention"], strategy="single", num_replicas=1)
     jit = make_trainer(tmp_path / "jit", LAYER_NETWORKS["self_attention"], strategy="single", num_replicas=1,
@@ -186,7 +186,7 @@ def test_compilations_are_counted_and_cached_for_the_next_run(tmp_path):
 def test_evaluation_with_xla_on_buckets_equals_plain_evaluation(tmp_path, rng):
     """With ``jit_compile`` the dev set is evaluated compiled, on bucketed shapes, every sequence
     (also those longer than the largest bucket): the scores of RETURNN's batching without XLA."""
-    from returnn_tpu.batching import BatchingOptions
+    from returnn_tpu.datapath.batching import BatchingOptions
 
     trainer = make_trainer(
         tmp_path, LAYER_NETWORKS["standardlstm"], strategy="single", num_replicas=1, batch_size=400, max_seqs=6,

@@ -9,7 +9,7 @@ bucket), with boundaries from the data's lengths (:func:`default_bucket_boundari
 dynamic axis's sequence lengths under :func:`size_key`; :func:`template_shapes` is what batching
 needs of the network's ``extern_data``, in a form the producer process can be sent.
 
-Which replica gets which batch is :mod:`returnn_tpu.data`'s decision; this module decides only
+Which replica gets which batch is :mod:`returnn_tpu.datapath.data`'s decision; this module decides only
 how sequences are grouped and padded. Nothing here imports TensorFlow: the data producer process
 runs it without it (FACTS.md, "A producer without TensorFlow").
 """
@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy
 
-from returnn_tpu.datasets import init_seq_order
+from returnn_tpu.datapath.datasets import init_seq_order
 from returnn_tpu.errors import ConfigError
 
 Batch = Dict[str, numpy.ndarray]

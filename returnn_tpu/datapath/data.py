@@ -2,7 +2,7 @@
 
 Batches come from RETURNN's own batch generation (``Dataset.generate_batches`` with the
 config's ``batch_size``, ``max_seqs``, ``max_seq_length``, ``chunking``, ``batching``, ...;
-:mod:`returnn_tpu.batching`) of the datasets :mod:`returnn_tpu.datasets` makes, and RETURNN's own
+:mod:`returnn_tpu.datapath.batching`) of the datasets :mod:`returnn_tpu.datapath.datasets` makes, and RETURNN's own
 padding (``batch_to_raw_dict``); this module only decides which replica gets which batch, and
 reads ahead on a background thread.
 
@@ -21,13 +21,13 @@ reads ahead on a background thread.
 Batches are made as they are taken (RETURNN's lazy batch generator), a bounded number of steps
 ahead: no pass over the epoch before its first step, and what is held does not grow with the
 corpus (docs/data.md, "Streamed epochs"); an epoch continued after an interruption begins
-where its streams stood, recorded as each step is made (:mod:`returnn_tpu.positions`), without
+where its streams stood, recorded as each step is made (:mod:`returnn_tpu.datapath.positions`), without
 making the sequences before. With several workers, all of them do the same number
 of steps in an epoch, the smallest number any of them has, agreed as they go
-(:class:`returnn_tpu.epochs.TrainEpoch`), so none waits in a collective for a worker that has
+(:class:`returnn_tpu.datapath.epochs.TrainEpoch`), so none waits in a collective for a worker that has
 run out of data.
 
-With ``jit_compile``, :class:`returnn_tpu.batching.BucketBatching` replaces RETURNN's batch
+With ``jit_compile``, :class:`returnn_tpu.datapath.batching.BucketBatching` replaces RETURNN's batch
 generation for training: sequences grouped by length into buckets, batches padded to static
 shapes (one per bucket).
 
@@ -46,10 +46,11 @@ import threading
 import time
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from returnn_tpu.batching import Batch, BatchingOptions, size_key
-from returnn_tpu.datasets import init_seq_order
+from returnn_tpu.datapath.batching import Batch, BatchingOptions, size_key
+from returnn_tpu.datapath.datasets import init_seq_order
 from returnn_tpu.errors import ConfigError, DatasetError
-from returnn_tpu.positions import ContinuedDataset, StepPoints, StreamPoint, position_after, why_not_continuable
+from returnn_tpu.datapath.positions import (ContinuedDataset, StepPoints, StreamPoint, position_after,
+                                            why_not_continuable)
 
 
 def deal_evenly(batches: list, num_slots: int, *, recurrent: bool) -> list:
@@ -90,7 +91,7 @@ def dealt_stream(batches: Iterable, num_slots: int, *, recurrent: bool, before: 
     list, so that their number is a multiple of ``num_slots``: the same batches, without knowing
     the epoch's length in advance. The tail to re-cut is at most ``2 * num_slots - 1`` batches
     long, so that many are held back. ``before``: the epoch's batches before the stream's first
-    (a stream continued from a :data:`returnn_tpu.positions.Position`)."""
+    (a stream continued from a :data:`returnn_tpu.datapath.positions.Position`)."""
     held: "collections.deque" = collections.deque()
     handed_out = before
     for batch in batches:
@@ -123,9 +124,9 @@ class EpochBatches:
     first runs out), or one dataset whose batches are dealt in turn to ``num_slots`` global
     replicas, of which this process feeds ``slots`` (a range). Batches come from RETURNN's lazy
     batch generator, a bounded number ahead of the step being read (:func:`dealt_stream`,
-    :data:`returnn_tpu.batching.BUCKET_WINDOW_SEQS`), so the first step does not wait for a pass
+    :data:`returnn_tpu.datapath.batching.BUCKET_WINDOW_SEQS`), so the first step does not wait for a pass
     over the epoch and memory does not grow with it; the number of steps is known only at the end
-    (workers agree where an epoch ends as they go: :class:`returnn_tpu.epochs.TrainEpoch`). A dealt
+    (workers agree where an epoch ends as they go: :class:`returnn_tpu.datapath.epochs.TrainEpoch`). A dealt
     dataset uses every sequence once (:func:`deal_evenly` at the end); batches of other slots, and of steps
     passed over (:meth:`start_at`), are never read.
 
@@ -315,7 +316,7 @@ class ReadAhead:
 
     Another thread may ask how far it has got (:meth:`wait_made`): the items made so far (taken
     or waiting) and whether ``items`` has ended; that is how workers agree where an epoch ends
-    (:class:`returnn_tpu.epochs.TrainEpoch`). Iterate once.
+    (:class:`returnn_tpu.datapath.epochs.TrainEpoch`). Iterate once.
     """
 
     def __init__(self, items: Iterable, depth: int, *, name: str, transform: Optional[Callable] = None):

@@ -58,7 +58,7 @@ def why_not_continuable(dataset, batching, recurrent: bool) -> Optional[str]:
     over, as before)."""
     from returnn.datasets.basic import Dataset
 
-    from returnn_tpu.batching import BatchingOptions
+    from returnn_tpu.datapath.batching import BatchingOptions
 
     if type(batching) is not BatchingOptions:
         return "XLA's buckets hold sequences across batches"

@@ -13,17 +13,17 @@ import tensorflow as tf
 
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, StepLearningRate
-from returnn_tpu.returnn_bridge import check_xla_compatible
+from returnn_tpu.returnn_side.returnn_bridge import check_xla_compatible
 from returnn_tpu.steps import ReplicaSteps
 
 
 class CurrentNetwork:
     """The network of the epoch being trained, with its step functions (:attr:`steps`).
 
-    ``networks`` (:class:`returnn_tpu.networks.EpochNetworks`) says which network each epoch
-    trains, ``builder`` (:class:`returnn_tpu.returnn_bridge.NetworkBuilder`) builds it, ``syncs``
+    ``networks`` (:class:`returnn_tpu.returnn_side.networks.EpochNetworks`) says which network each epoch
+    trains, ``builder`` (:class:`returnn_tpu.returnn_side.returnn_bridge.NetworkBuilder`) builds it, ``syncs``
     (:mod:`returnn_tpu.strategies.sync.lifecycle`) and ``data``
-    (:class:`returnn_tpu.epochs.EpochData`) hear of a change, ``workers`` check that every worker
+    (:class:`returnn_tpu.datapath.epochs.EpochData`) hear of a change, ``workers`` check that every worker
     has the same network.
     """
 

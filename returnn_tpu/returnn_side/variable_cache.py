@@ -6,7 +6,7 @@ creator of those builds: it creates each variable once (a distributed variable u
 scope), with the initial value RETURNN's graph would give it, puts it where RETURNN's layers look
 for it, and keeps what a network change re-created, for
 :meth:`VariableCache.carry_over`. A module of its own because it is the one state
-that outlives the builds of :class:`returnn_tpu.returnn_bridge.NetworkBuilder`.
+that outlives the builds of :class:`returnn_tpu.returnn_side.returnn_bridge.NetworkBuilder`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import numpy
 
-from returnn_tpu.producer_protocol import ProducerError
+from returnn_tpu.datapath.producer_protocol import ProducerError
 
 BLOCK_PREFIX = "returnn_tpu_"  # shared memory blocks are named returnn_tpu_<producer pid>_<n>
 SHM_RESERVE_BYTES = 16 * 1024 * 1024  # room left in /dev/shm for others when a block is made
@@ -87,7 +87,7 @@ class BlockWriter:
     of ``prefetch + 2`` the block is free already and the wait is not taken; it guards the reuse
     all the same. A block too small for a step is replaced (unlinked: the trainer has released it);
     the others stay until the trainer, which may still have steps to read after the producer has
-    ended, removes them (:meth:`returnn_tpu.producer.DataProducer.close`)."""
+    ended, removes them (:meth:`returnn_tpu.datapath.producer.DataProducer.close`)."""
 
     def __init__(self, released, ring: int):
         self.released = released

@@ -20,7 +20,8 @@ import tensorflow as tf
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, Optimizer
 from returnn_tpu.patches import SharedBuildUnsupported, function_graph, variables_over_handles
-from returnn_tpu.returnn_bridge import NetworkBuilder, SharedBuild, loss_metrics, static_replica_id, without_summaries
+from returnn_tpu.returnn_side.returnn_bridge import (NetworkBuilder, SharedBuild, loss_metrics, static_replica_id,
+                                                     without_summaries)
 
 
 class ReplicaPass:

@@ -1,11 +1,11 @@
 """The data producer process: it answers its trainer's commands with the steps' batches.
 
-:func:`run_producer` is the process (spawned by :class:`returnn_tpu.producer.DataProducer`): it
+:func:`run_producer` is the process (spawned by :class:`returnn_tpu.datapath.producer.DataProducer`): it
 loads the config, makes the training datasets and, for each epoch the trainer asks for, the same
-:class:`returnn_tpu.data.EpochBatches` as training in the process would, and puts each step's
-arrays into shared memory (:mod:`returnn_tpu.producer_blocks`) until the data ends or the trainer
+:class:`returnn_tpu.datapath.data.EpochBatches` as training in the process would, and puts each step's
+arrays into shared memory (:mod:`returnn_tpu.datapath.producer_blocks`) until the data ends or the trainer
 says ``stop``. As worker 0's producer with ``data_producer = "chief"``, it also serves the other
-workers their parts (:mod:`returnn_tpu.producer_serving`). Every failure goes to the trainer as an
+workers their parts (:mod:`returnn_tpu.datapath.producer_serving`). Every failure goes to the trainer as an
 ``error`` message. No TensorFlow here (FACTS.md, "A producer without TensorFlow").
 """
 
@@ -18,9 +18,9 @@ import time
 import traceback
 from typing import Optional
 
-from returnn_tpu.producer_blocks import BlockWriter
-from returnn_tpu.producer_protocol import ProducerError, expect
-from returnn_tpu.producer_serving import ServeOptions, WorkerConnections
+from returnn_tpu.datapath.producer_blocks import BlockWriter
+from returnn_tpu.datapath.producer_protocol import ProducerError, expect
+from returnn_tpu.datapath.producer_serving import ServeOptions, WorkerConnections
 
 LOADER_EXIT_SECONDS = 1.0  # a loader whose pipe broke is found dead within this
 # Where numpy's BLAS (and OpenMP) take their number of threads; one set by the user is kept.
@@ -91,14 +91,14 @@ def one_math_thread():
 
 class _EpochMaker:
     """The producer's training datasets (one per replica it feeds with ``random_seed_offset``) and
-    their :class:`returnn_tpu.data.EpochBatches`.
+    their :class:`returnn_tpu.datapath.data.EpochBatches`.
 
     No TensorFlow here (FACTS.md, "A producer without TensorFlow"): the trainer sends with each
-    request the shapes of the network's ``extern_data`` (:func:`returnn_tpu.batching.template_shapes`).
+    request the shapes of the network's ``extern_data`` (:func:`returnn_tpu.datapath.batching.template_shapes`).
     """
 
     def __init__(self, setup: dict):
-        from returnn_tpu.datasets import init_datasets
+        from returnn_tpu.datapath.datasets import init_datasets
         from returnn_tpu.startup import load_config
 
         config = load_config(setup["config_filename"], setup["overrides"])
@@ -121,8 +121,8 @@ class _EpochMaker:
 
     def start(self, request: dict):
         """The EpochBatches of ``request`` (its epoch started: RETURNN's ``init_seq_order``)."""
-        from returnn_tpu.batching import templates_from_shapes
-        from returnn_tpu.data import EpochBatches
+        from returnn_tpu.datapath.batching import templates_from_shapes
+        from returnn_tpu.datapath.data import EpochBatches
 
         request = dict(request)
         extern_data = templates_from_shapes(request.pop("templates"))

@@ -4,7 +4,7 @@
 for a throwaway graph; in a trace the builder sets the inputs); :func:`fresh_dims` gives each build
 copies of the config's dynamic dims, since a ``Dim`` keeps the sizes it was given and would mix
 the tensors of replicas and traces (FACTS.md, "Extern data per trace"). Used by
-:class:`returnn_tpu.returnn_bridge.NetworkBuilder` for every build and for its throwaway
+:class:`returnn_tpu.returnn_side.returnn_bridge.NetworkBuilder` for every build and for its throwaway
 inspection of the network.
 """
 

@@ -6,12 +6,12 @@ construction run inside ``strategy.run(step_fn, ...)`` (see FACTS.md):
 * :func:`in_process_config` starts RETURNN for a config made in this process, as the command
   line starts it for a file (with :func:`returnn_tpu.patches.setup_returnn`, where every patch
   of TensorFlow and RETURNN is).
-* :class:`returnn_tpu.variable_cache.VariableCache` creates each ``tf.compat.v1.get_variable``
+* :class:`returnn_tpu.returnn_side.variable_cache.VariableCache` creates each ``tf.compat.v1.get_variable``
   once (as a distributed variable when a strategy scope is active) and hands the same object to
   every later trace, and :meth:`VariableCache.carry_over` fills re-created parameters after a
   network change.
 * :class:`NetworkBuilder` builds one network per replica per trace from fresh extern data
-  (:mod:`returnn_tpu.network_inputs`), with a fresh variable store and fresh variable
+  (:mod:`returnn_tpu.returnn_side.network_inputs`), with a fresh variable store and fresh variable
   collections, and a per-replica random seed.
 """
 
@@ -25,11 +25,11 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
-from returnn_tpu.batching import size_key
+from returnn_tpu.datapath.batching import size_key
 from returnn_tpu.errors import ConfigError, refused_by_returnn
-from returnn_tpu.network_inputs import extern_data_template, fresh_dims
+from returnn_tpu.returnn_side.network_inputs import extern_data_template, fresh_dims
 from returnn_tpu.patches import drawing_from, fresh_tf1_state, random_ops_keyed_by, setup_returnn
-from returnn_tpu.variable_cache import VariableCache
+from returnn_tpu.returnn_side.variable_cache import VariableCache
 
 
 class StepRandomSource:
@@ -145,10 +145,10 @@ class NetworkInfo:
 
 class NetworkBuilder:
     """Builds a network dict inside replica traces, all networks sharing one
-    :class:`returnn_tpu.variable_cache.VariableCache`.
+    :class:`returnn_tpu.returnn_side.variable_cache.VariableCache`.
 
     :meth:`use_network` sets the network (the config's ``network``, or one per epoch, see
-    :class:`returnn_tpu.networks.EpochNetworks`); :meth:`build` constructs it in a trace.
+    :class:`returnn_tpu.returnn_side.networks.EpochNetworks`); :meth:`build` constructs it in a trace.
     """
 
     def __init__(self, config, net_dict: Optional[Dict[str, Any]] = None):

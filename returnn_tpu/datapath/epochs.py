@@ -16,12 +16,14 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy
 
-from returnn_tpu.batching import BatchingOptions, BucketBatching, default_bucket_boundaries, size_key, template_shapes
-from returnn_tpu.data import EpochBatches, ReadAhead
-from returnn_tpu.datasets import init_datasets, init_eval_datasets, init_seq_order, loads_in_processes, shards_files
+from returnn_tpu.datapath.batching import (BatchingOptions, BucketBatching, default_bucket_boundaries, size_key,
+                                           template_shapes)
+from returnn_tpu.datapath.data import EpochBatches, ReadAhead
+from returnn_tpu.datapath.datasets import (init_datasets, init_eval_datasets, init_seq_order, loads_in_processes,
+                                           shards_files)
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.producer import DataProducer, RemoteProducer
-from returnn_tpu.producer_serving import ServeOptions
+from returnn_tpu.datapath.producer import DataProducer, RemoteProducer
+from returnn_tpu.datapath.producer_serving import ServeOptions
 
 AHEAD_STEPS = 16  # with several workers: how many steps each makes ahead (what one agreement can cover)
 CORES_KEPT = 2  # of the machine's cores, the training loop's and the producer's (data_loaders' default)
@@ -42,7 +44,7 @@ class TrainEpoch:
     """One epoch's training steps on this worker, ending where all workers agree.
 
     No worker knows in advance how many steps its data gives: batches are made as they are taken
-    (:class:`returnn_tpu.data.EpochBatches`, or the producer's). Workers agree on a horizon as they
+    (:class:`returnn_tpu.datapath.data.EpochBatches`, or the producer's). Workers agree on a horizon as they
     go: when a worker reaches it, it waits until it has data for one more step or knows its data
     has ended, and all workers exchange how many steps they have made and whether that is all (one
     small all-gather, on the loop's thread, at the same step on every worker). The new horizon is
@@ -51,7 +53,7 @@ class TrainEpoch:
     before, without a pass over the epoch first; each worker makes up to ``ahead`` steps ahead, so
     one agreement covers about that many steps. With one worker nothing is exchanged.
 
-    ``local`` (:class:`returnn_tpu.data.EpochBatches` or :class:`returnn_tpu.producer.ProducedEpoch`)
+    ``local`` (:class:`returnn_tpu.datapath.data.EpochBatches` or :class:`returnn_tpu.datapath.producer.ProducedEpoch`)
     gives this worker's steps. After iteration, :attr:`steps_done` is the epoch's step count, and
     :attr:`agreements`, :attr:`agree_seconds`, :attr:`agree_bytes` what agreeing cost.
     """
@@ -68,13 +70,13 @@ class TrainEpoch:
         self.agree_bytes = 0
 
     def start_at(self, step: int, batch_offset: int = 0, points=None):
-        """Continues the epoch at ``step`` (see :meth:`returnn_tpu.data.EpochBatches.start_at`)."""
+        """Continues the epoch at ``step`` (see :meth:`returnn_tpu.datapath.data.EpochBatches.start_at`)."""
         self.local.start_at(step, batch_offset, points)
         self.first_step = step
 
     def positions_after(self, steps_done: int) -> Optional[list]:
         """Where the stream of each of this worker's batches stands after ``steps_done`` steps
-        (:class:`returnn_tpu.positions.StepPoints`)."""
+        (:class:`returnn_tpu.datapath.positions.StepPoints`)."""
         return self.local.positions.after(steps_done)
 
     def steps(self, on_device: Callable) -> Iterator[Tuple[int, tuple]]:
@@ -207,7 +209,7 @@ class EpochData:
         return []
 
     def use_network(self, info):
-        """Batches for the network ``info`` describes (:class:`returnn_tpu.returnn_bridge.NetworkInfo`):
+        """Batches for the network ``info`` describes (:class:`returnn_tpu.returnn_side.returnn_bridge.NetworkInfo`):
         its ``extern_data`` and the data keys it uses. The first time, the datasets are checked
         against it (a mismatch is bad input, found before any step) and the training data is then
         held by the producer alone."""

@@ -2,7 +2,7 @@
 
 With ``distribute_options["data_producer"] = "process"`` (the default), each worker starts one
 producer process. It loads the same config (the same file and ``++`` overrides), creates the
-same training datasets and runs the same :class:`returnn_tpu.data.EpochBatches` as training in
+same training datasets and runs the same :class:`returnn_tpu.datapath.data.EpochBatches` as training in
 the process would, so its batches are those batches, bit for bit. Training then spends its
 time in steps, not in Python reading and padding data, which shares a core with the step's
 dispatch.
@@ -13,7 +13,7 @@ recurrent, RETURNN's batching options, the replicas' slots); the producer starts
 at), makes the steps as they are taken and writes each step's arrays into a POSIX shared memory
 block of a ring it reuses, at most ``data_prefetch`` steps ahead, until the data ends (``end``) or
 the trainer says ``stop`` (where all workers agreed the epoch ends:
-:class:`returnn_tpu.epochs.TrainEpoch`). Only the block's name and the arrays' layout travel
+:class:`returnn_tpu.datapath.epochs.TrainEpoch`). Only the block's name and the arrays' layout travel
 through the queue; the trainer copies the arrays out (one ``memcpy``) and releases the block.
 
 With ``data_producer = "chief"`` and several workers, only worker 0 starts a producer. It makes
@@ -30,9 +30,9 @@ that dies (killed, out of memory) is found within :data:`LIVENESS_SECONDS`, a re
 :data:`REMOTE_SILENCE_SECONDS` (it sends a heartbeat while it has nothing else to send).
 
 This module is the trainer's side (:class:`DataProducer`, :class:`ProducedEpoch`,
-:class:`RemoteProducer`). The process itself is :mod:`returnn_tpu.producer_process`, worker 0's
-serving of the other workers :mod:`returnn_tpu.producer_serving`, the shared memory blocks
-:mod:`returnn_tpu.producer_blocks`, and the messages' checks :mod:`returnn_tpu.producer_protocol`.
+:class:`RemoteProducer`). The process itself is :mod:`returnn_tpu.datapath.producer_process`, worker 0's
+serving of the other workers :mod:`returnn_tpu.datapath.producer_serving`, the shared memory blocks
+:mod:`returnn_tpu.datapath.producer_blocks`, and the messages' checks :mod:`returnn_tpu.datapath.producer_protocol`.
 """
 
 
@@ -48,11 +48,11 @@ import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
-from returnn_tpu.positions import StepPoints
-from returnn_tpu.producer_blocks import BLOCK_PREFIX, BlockReader, remove_stale_blocks
-from returnn_tpu.producer_process import run_producer
-from returnn_tpu.producer_protocol import ProducerError, expect, raise_error
-from returnn_tpu.producer_serving import ServeOptions
+from returnn_tpu.datapath.positions import StepPoints
+from returnn_tpu.datapath.producer_blocks import BLOCK_PREFIX, BlockReader, remove_stale_blocks
+from returnn_tpu.datapath.producer_process import run_producer
+from returnn_tpu.datapath.producer_protocol import ProducerError, expect, raise_error
+from returnn_tpu.datapath.producer_serving import ServeOptions
 
 LIVENESS_SECONDS = 1.0  # how often a waiting trainer checks that its producer still runs
 WAIT_REPORT_SECONDS = 60.0  # a trainer waiting this long for its producer says so, and again each time
@@ -74,7 +74,7 @@ class DataProducer:
     """One producer process for the training dataset of ``config_filename`` (with
     ``overrides``); created once per worker, ended by :meth:`close` or with the trainer's process.
     With ``loaders`` > 1 its datasets load their sequences in that many processes of their own
-    (:func:`returnn_tpu.datasets.with_loaders`), which end with it."""
+    (:func:`returnn_tpu.datapath.datasets.with_loaders`), which end with it."""
 
     def __init__(self, config_filename: str, overrides: Sequence[str], *, dataset_key: str, num_replicas: int,
                  first_replica: int, distribution: str, prefetch: int, all_replicas: Optional[int] = None,
@@ -118,8 +118,8 @@ class DataProducer:
     def epoch(self, *, epoch: int, batching, data_keys: Sequence[str], templates: dict, recurrent: bool,
               train: bool, slots: Optional[range], num_slots: Optional[int], pad_last: bool,
               while_waiting: Optional[Callable[[], None]] = None) -> "ProducedEpoch":
-        """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.data.EpochBatches`,
-        with ``templates`` from :func:`returnn_tpu.batching.template_shapes` for its ``extern_data``);
+        """Asks for an epoch's batches (the arguments of :class:`returnn_tpu.datapath.data.EpochBatches`,
+        with ``templates`` from :func:`returnn_tpu.datapath.batching.template_shapes` for its ``extern_data``);
         returns once the producer has started the epoch (``while_waiting`` is called about every
         second meanwhile, and may raise)."""
         self.send("epoch", dict(epoch=epoch, batching=batching, data_keys=list(data_keys), templates=templates,
@@ -227,7 +227,7 @@ def drop_semaphore_names(results) -> None:
 
 class ProducedEpoch:
     """An epoch's batches from the producer, with the interface of
-    :class:`returnn_tpu.data.EpochBatches` that training uses (``start_seconds``, ``start_at``,
+    :class:`returnn_tpu.datapath.data.EpochBatches` that training uses (``start_seconds``, ``start_at``,
     ``steps``, ``positions``)."""
 
     def __init__(self, producer, batching, start_seconds: float):

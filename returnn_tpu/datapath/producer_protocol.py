@@ -1,8 +1,8 @@
 """The messages between a trainer and its data producer, and how their failures are raised.
 
 Every message is a ``(kind, *fields)`` tuple, over the producer's queue and pipe or worker 0's
-TCP connections alike. Both sides (:mod:`returnn_tpu.producer` in the trainer,
-:mod:`returnn_tpu.producer_process` in the producer) check what came with :func:`expect`, and the
+TCP connections alike. Both sides (:mod:`returnn_tpu.datapath.producer` in the trainer,
+:mod:`returnn_tpu.datapath.producer_process` in the producer) check what came with :func:`expect`, and the
 trainer raises a producer's ``error`` message with :func:`raise_error`. A module of its own so
 that both sides use one definition without importing each other. No TensorFlow (the producer
 process runs without it).

@@ -1,7 +1,7 @@
 """Worker 0's data producer serving the other workers over TCP (``data_producer = "chief"``).
 
 Worker 0's producer makes the batches of all replicas of all workers and sends each other worker
-its part (the client is :class:`returnn_tpu.producer.RemoteProducer`). It listens on worker 0's
+its part (the client is :class:`returnn_tpu.datapath.producer.RemoteProducer`). It listens on worker 0's
 address of the cluster spec on a port it picks (:class:`ServeOptions`); every connection must
 prove the random key (``multiprocessing.connection``'s HMAC challenge) before anything is
 unpickled, and a heartbeat keeps the other workers from taking silence for death
@@ -19,7 +19,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from returnn_tpu.producer_protocol import ProducerError
+from returnn_tpu.datapath.producer_protocol import ProducerError
 
 HEARTBEAT_SECONDS = 2.0  # how often worker 0's producer tells the other workers that it still runs
 CONNECT_SECONDS = 120.0  # how long worker 0's producer waits for the other workers to connect
