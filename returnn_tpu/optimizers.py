@@ -323,7 +323,7 @@ class GradientOptions:
 
     Read from the config by :meth:`from_config`; :meth:`final` turns one update's gradients into
     the ones the optimizer applies. ``maximize_grad_norm`` (a second derivative) is added where the
-    gradients are computed (see :mod:`returnn_tpu.steps`).
+    gradients are computed (see :mod:`returnn_tpu.returnn_side.steps`).
     """
 
     noise: float = 0.0  # gradient_noise: stddev of truncated-normal noise

@@ -381,7 +381,7 @@ def evaluate(steps, data, epoch: int, sum_over_workers: Callable[[List[float]], 
     (:class:`returnn_tpu.datapath.epochs.EpochData`): ``{"dev": {"score": .., "error": ..}}``.
 
     Every batch is evaluated exactly once, spread over all replicas of all workers by ``steps``
-    (:class:`returnn_tpu.steps.ReplicaSteps`); the sums are combined with ``sum_over_workers``.
+    (:class:`returnn_tpu.returnn_side.steps.ReplicaSteps`); the sums are combined with ``sum_over_workers``.
     """
     results = {}
     for dataset in data.dev_datasets:

@@ -101,7 +101,7 @@ class Trainer:
 
     @property
     def steps(self):
-        """The compiled steps of the current network (:class:`returnn_tpu.steps.ReplicaSteps`)."""
+        """The compiled steps of the current network (:class:`returnn_tpu.returnn_side.steps.ReplicaSteps`)."""
         return self.network.steps
 
     # ---- building and resuming ---------------------------------------------------------------

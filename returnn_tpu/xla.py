@@ -1,7 +1,7 @@
 """What ``jit_compile`` changes around the compiled step: a config value RETURNN's masking needs
 with buckets, and the per-epoch figures of compilation and padding.
 
-The compiled step itself is :class:`returnn_tpu.steps.ReplicaSteps`' (``jit_compile``), the
+The compiled step itself is :class:`returnn_tpu.returnn_side.steps.ReplicaSteps`' (``jit_compile``), the
 buckets :class:`returnn_tpu.datapath.batching.BucketBatching`, the check that a network compiles
 :func:`returnn_tpu.returnn_side.returnn_bridge.check_xla_compatible`.
 """

@@ -78,13 +78,13 @@ def test_the_data_path_never_imports_tensorflow(relative):
 
 # What each folder may import of the package besides itself (docs/architecture.md, "The parts"):
 # the strategies and the cluster know no data and no RETURNN, the data path no strategy and no
-# network, the RETURNN side the data path's batching key only; none of them the run (trainer,
-# cli, checkpoints, ...).
+# network, the RETURNN side of the data path its batching key and read-ahead only, and of the
+# strategies their public surface; none of them the run (trainer, cli, checkpoints, ...).
 FOLDER_IMPORTS = {
     "cluster": {"errors"},
     "strategies": {"cluster", "errors", "options", "optimizers"},
     "datapath": {"errors", "startup", "launcher"},
-    "returnn_side": {"datapath", "errors", "optimizers", "patches", "startup", "steps"},
+    "returnn_side": {"datapath", "errors", "optimizers", "patches", "startup", "strategies"},
 }
 
 

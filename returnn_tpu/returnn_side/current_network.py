@@ -14,7 +14,7 @@ import tensorflow as tf
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.optimizers import GradientOptions, StepLearningRate
 from returnn_tpu.returnn_side.returnn_bridge import check_xla_compatible
-from returnn_tpu.steps import ReplicaSteps
+from returnn_tpu.returnn_side.steps import ReplicaSteps
 
 
 class CurrentNetwork:

@@ -1,7 +1,7 @@
 """What one replica computes in a step: the forward and backward pass of the RETURNN network
 (compiled by XLA with ``jit_compile``; without it, on several local devices, traced once for all
 local replicas), RETURNN's treatment of the gradients, the non-finite check, and the eval
-metrics. :class:`returnn_tpu.steps.ReplicaSteps` calls it inside ``strategy.run``; it does not
+metrics. :class:`returnn_tpu.returnn_side.steps.ReplicaSteps` calls it inside ``strategy.run``; it does not
 know how the replicas' updates are combined.
 
 Gradients are treated as RETURNN's updater treats them, in its order: ``maximize_grad_norm``
