@@ -17,7 +17,8 @@ from returnn_tpu.errors import ConfigError
 DEFAULT_STRATEGY = "local_sgd"  # what a config without distribute_strategy trains with
 STRATEGY_NAMES = ("single", "mirrored", "local_sgd", "multi_worker_mirrored", "tpu", "local_sgd_tpu")
 TPU_STRATEGY_NAMES = ("tpu", "local_sgd_tpu")
-# The strategies that span the workers of a cluster when one is found (make_strategy).
+# The strategies that span the workers of a cluster when one is found (the command line resolves
+# one for them; strategies.make_strategy builds them across its workers).
 MULTI_WORKER_STRATEGY_NAMES = ("local_sgd", "multi_worker_mirrored")
 CLUSTER_RESOLVERS = ("auto", "sge", "mpi", "tf_config", "local")  # TPUs are found by the TPU strategies
 DATASET_DISTRIBUTIONS = ("random_seed_offset", "shard")

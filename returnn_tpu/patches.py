@@ -335,7 +335,8 @@ def fresh_tf1_state() -> Iterator[None]:
 
 @contextlib.contextmanager
 def drawing_from(random_source) -> Iterator[None]:
-    """RETURNN's random generator is ``random_source`` (a :class:`returnn_tpu.returnn_side.returnn_bridge.StepRandomSource`)
+    """RETURNN's random generator is ``random_source``
+    (a :class:`returnn_tpu.returnn_side.returnn_bridge.StepRandomSource`)
     while a network is built on this thread."""
     _BUILDING.random_generator = random_source
     try:

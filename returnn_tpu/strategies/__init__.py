@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from returnn_tpu.cluster import Cluster
 from returnn_tpu.errors import ConfigError
-from returnn_tpu.options import MULTI_WORKER_STRATEGY_NAMES, TPU_STRATEGY_NAMES, DistributeOptions
+from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices, own_collective_key_base
 from returnn_tpu.strategies.local_sgd import LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
@@ -59,7 +59,7 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     them (one replica per worker on CPU; per GPU on GPU machines); otherwise this machine's devices.
     """
     multi_worker = cluster is not None and cluster.num_workers > 1
-    if options.strategy == "multi_worker_mirrored" or (options.strategy in MULTI_WORKER_STRATEGY_NAMES and multi_worker):
+    if options.strategy == "multi_worker_mirrored" or (options.strategy == "local_sgd" and multi_worker):
         cls = TrainerMultiWorkerLocalSGDStrategy if options.strategy == "local_sgd" else MultiWorkerMirroredStrategy
         return with_own_collective_keys(
             cls,

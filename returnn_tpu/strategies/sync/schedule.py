@@ -189,7 +189,8 @@ class TracedSchedule:
         cycle = slice(param_sync_step + 1, 2 * param_sync_step + 1)
         assert rows[cycle] == rows[2 * param_sync_step + 1:], "the host schedule does not repeat with its cycle"
         self.rows = rows[:2 * param_sync_step + 1]
-        self._table = tf.constant([[[i in part for i in range(fragments)] for part in row] for row in self.rows])  # [row, (due, applied, in flight), fragment]
+        # [row, (due, applied, in flight), fragment]
+        self._table = tf.constant([[[i in part for i in range(fragments)] for part in row] for row in self.rows])
 
     def row_index(self, updates: tf.Tensor) -> tf.Tensor:
         """The table's row after ``updates`` updates since the last (re)start: itself within the
