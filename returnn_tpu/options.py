@@ -363,7 +363,7 @@ def _overlap_and_quantization(options: Mapping[str, Any], checked: dict, step: i
 
 
 def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str = "LocalSGDStrategy",
-                                multi_worker: bool = False) -> DistributeOptions:
+                                multi_worker: bool = False, tpu: bool = False) -> DistributeOptions:
     """The options of a TF2 program's local-SGD strategy (``strategy_name``): the local-SGD keys of
     ``distribute_options`` (and, across workers, ``sync_bucket_bytes``), checked as in a config.
     The keys whose rule the TF2 path does not have are refused in one line that says why
@@ -373,8 +373,10 @@ def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str =
     if unknown:
         raise ConfigError(f"{strategy_name} has no option {unknown[0]!r}; its options: {', '.join(valid)}")
     checked = DistributeOptions.from_config_values("local_sgd", options)
-    refused = [(repr(key), key) for key in ("param_sync_time_diff", "local_param_sync_step", "sync_warmup_steps",
-                                            "param_sync_step_ramp") if options.get(key) is not None]
+    refused = [(repr(key), key) for key in ("param_sync_time_diff", "sync_warmup_steps", "param_sync_step_ramp")
+               if options.get(key) is not None]
+    if tpu and options.get("local_param_sync_step") is not None:
+        refused.append(("'local_param_sync_step'", "local_param_sync_step_tpu"))
     if checked.optimizer_state_at_sync != "keep":
         refused.append((f"optimizer_state_at_sync {checked.optimizer_state_at_sync!r}", "optimizer_state_at_sync"))
     if checked.outer_optimizer is not None and checked.outer_optimizer["class"] != "nesterov":
@@ -383,7 +385,8 @@ def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str =
         what, key = refused[0]
         raise ConfigError(f"{strategy_name}: {what} is not supported for TF2 programs: {NOT_FOR_TF2_PROGRAMS[key]}; "
                           "returnn-tpu's trainer has it (TF2 programs have param_sync_step, a 'nesterov' "
-                          "outer_optimizer, sync_dtype, sync_error_feedback, sync_fragments, sync_delay and sync_mix)")
+                          "outer_optimizer, sync_dtype, sync_error_feedback, sync_fragments, sync_delay, sync_mix and, "
+                          "off TPUs, local_param_sync_step)")
     return checked
 
 
@@ -393,7 +396,8 @@ def check_tf2_local_sgd_options(options: Mapping[str, Any], strategy_name: str =
 NOT_FOR_TF2_PROGRAMS = {
     "param_sync_time_diff": "a sync by time needs a clock that all workers agree on between steps, and the traced "
                             "schedule counts updates only",
-    "local_param_sync_step": "worker-local rounds are counted by the trainer's host schedule, not by the traced one",
+    "local_param_sync_step_tpu": "a worker-local round averages within each host's cores through merge_call, which "
+                                 "the TPU program does not have",
     "sync_warmup_steps": "the synchronous warm-up is counted by the trainer's host schedule, not by the traced one",
     "param_sync_step_ramp": "growing intervals are counted by the trainer's host schedule, not by the traced one",
     "optimizer_state_at_sync": "the strategy does not see the program's optimizer, whose slots it would change",

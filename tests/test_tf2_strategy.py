@@ -235,13 +235,15 @@ def test_bad_options_are_one_line(options, message):
 
 
 def _numpy_local_sgd(steps: int, n: int, outer=None, quantized_bits=None, error_feedback=True, fragments=(),
-                     delay=0, mix=0.5, learning_rate=0.05):
+                     delay=0, mix=0.5, learning_rate=0.05, local_step=None):
     """The custom loop's training written out in NumPy: each of the replicas applies SGD on its
     share of each global batch of 8 (in replica order) to its own copy of ``y = x k + b``; fragment i (of ``fragments``,
     lists of "kernel"/"bias"; default one of both) is synced after update ``(i + 1) n / F`` of
     each cycle of ``n``: each replica's change since the anchor (quantized in blocks of 64 to
     ``quantized_bits``, with error feedback), their mean, DiLoCo's Nesterov step from the anchor
-    (``outer``), applied at once or ``delay`` updates later mixed into each copy. The copies after
+    (``outer``), applied at once or ``delay`` updates later mixed into each copy; with
+    ``local_step`` L, after every L-th update of a cycle that syncs nothing, the copies' plain mean
+    (the replicas of this one machine are one worker), the anchor untouched. The copies after
     each update, as ``_custom_loop`` returns them."""
     x, y = _data()
     copies = [{"kernel": numpy.zeros((4, 1), "float32"), "bias": numpy.zeros(1, "float32")} for _ in range(REPLICAS)]
@@ -309,6 +311,10 @@ def _numpy_local_sgd(steps: int, n: int, outer=None, quantized_bits=None, error_
                 synced = new_model(change)
                 for copy in copies:
                     copy.update({name: value.copy() for name, value in synced.items()})
+        if local_step and not due and (step % n + 1) % local_step == 0:
+            means = {name: numpy.mean([copy[name] for copy in copies], axis=0) for name in anchor}
+            for copy in copies:
+                copy.update({name: value.copy() for name, value in means.items()})
         history.append({name: [copy[name].copy() for copy in copies] for name in anchor})
     return history
 
@@ -326,8 +332,9 @@ DILOCO = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}
     ({"param_sync_step": 4, "outer_optimizer": DILOCO, "sync_fragments": 2, "sync_delay": 1},
      {"outer": DILOCO, "fragments": [["kernel"], ["bias"]], "delay": 1}),
     ({"param_sync_step": 4, "sync_fragments": 4}, {"fragments": [["kernel"], ["bias"], [], []]}),
+    ({"param_sync_step": 6, "local_param_sync_step": 2, "outer_optimizer": DILOCO}, {"outer": DILOCO, "local_step": 2}),
 ], ids=["average", "diloco", "int4", "int4_no_error_feedback", "diloco_int8", "diloco_fragments_delay",
-        "more_fragments_than_variables"])
+        "more_fragments_than_variables", "diloco_local_rounds"])
 def test_the_custom_loop_syncs_by_the_rules_in_numpy(options, rules):
     """Twelve updates of TensorFlow's custom loop against :func:`_numpy_local_sgd`: every copy
     after every update, to 1e-5 (the int4 and int8 rows round the same values alike)."""
@@ -360,7 +367,7 @@ class _LocalSGDTPUStandIn(tf.distribute.Strategy):
 
     def __init__(self, **options):
         self._collective_key_base = own_collective_key_base() + KEYS_PER_STRATEGY // 2
-        super().__init__(_LocalTPUStandInExtended(self, check_tf2_local_sgd_options(options, "LocalSGDTPUStrategy")))
+        super().__init__(_LocalTPUStandInExtended(self, check_tf2_local_sgd_options(options, "LocalSGDTPUStrategy", tpu=True)))
 
     def run(self, fn, args=(), kwargs=None, options=None):
         with self.scope():
@@ -405,6 +412,9 @@ def test_the_tpu_strategy_under_keras_fit_and_an_eager_run():
 def test_the_tpu_strategy_checks_its_options_before_it_looks_for_a_tpu():
     with pytest.raises(ConfigError, match="LocalSGDTPUStrategy has no option 'param_sync_stepp'"):
         LocalSGDTPUStrategy(param_sync_stepp=4)
+    with pytest.raises(ConfigError, match="LocalSGDTPUStrategy: 'local_param_sync_step' is not supported for TF2 "
+                                          "programs: a worker-local round averages within each host's cores"):
+        LocalSGDTPUStrategy(local_param_sync_step=2)
 
 
 WORKER_PROGRAM = """

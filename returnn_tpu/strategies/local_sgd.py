@@ -24,7 +24,8 @@ from tensorflow.python.distribute import values as values_lib
 
 from returnn_tpu.strategies.devices import KEYS_PER_STRATEGY, own_collective_key_base
 from returnn_tpu.strategies.extended import LocalSGDExtendedMixin
-from returnn_tpu.strategies.sync import TracedSchedule, make_averaging, mean_over_all_replicas, split_into_fragments
+from returnn_tpu.strategies.sync import (TracedSchedule, make_averaging, mean_over_all_replicas, mean_within_groups,
+                                         split_into_fragments)
 
 
 class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended):
@@ -68,8 +69,10 @@ class ScheduledLocalSGDMixin:
         (:meth:`synced_model`; several workers)."""
         self.sync_delay = options.sync_delay
         self.averaging = make_averaging(options, keep_synced_model=keep_synced_model)
+        local_step = options.local_param_sync_step if len(self.worker_devices) > 1 else None  # else nothing to average
         self._schedule = TracedSchedule(options.param_sync_step, fragments=options.sync_fragments,
-                                        delay=options.sync_delay)
+                                        delay=options.sync_delay, local_step=local_step)
+        self._local_rounds = local_step is not None
         self._syncing = False  # while a sync's own run is built: its all-reduces reduce
 
         def counter(name, value=0):  # plain host variables, outside the strategy's scope
@@ -136,7 +139,8 @@ class ScheduledLocalSGDMixin:
         ``strategy.run``); overlapped, the sync in flight is applied before what is due starts,
         as the trainer's :class:`returnn_tpu.strategies.sync.OverlappedSyncs` does."""
         self._updates_scheduled.assign(self._updates)
-        due, applied, _ = self._schedule.row(self._since_restart.assign_add(1))
+        since_restart = self._since_restart.assign_add(1)
+        due, applied, _ = self._schedule.row(since_restart)
         fragments = self._fragments()
         if self.sync_delay:
             for fragment, variables in fragments:
@@ -144,6 +148,8 @@ class ScheduledLocalSGDMixin:
         for fragment, variables in fragments:
             start = self._start_overlapped if self.sync_delay else self._sync_fragment
             when(due[fragment], lambda variables=variables, start=start: start(variables))
+        if self._local_rounds:
+            when(self._schedule.local_round(since_restart), self._sync_within_workers)
 
     def _fragments(self):
         """``(index, its trainable variables: key -> variable)`` of each fragment that has any,
@@ -170,6 +176,14 @@ class ScheduledLocalSGDMixin:
         self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
             strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))
         self._count_sync(variables)
+
+    def _sync_within_workers(self):
+        """A worker-local round (``local_param_sync_step``): the replicas of each worker average
+        their copies among themselves, with no traffic between workers and no outer step (the
+        anchor and outer state are the global syncs')."""
+        group = mean_within_groups(len(self.worker_devices))
+        self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
+            strategy, self._synced_variables, group, learning_rate=tf.constant(1.0), outer_step=False))
 
     def _start_overlapped(self, variables: dict):
         def snapshot_and_reduce(strategy):

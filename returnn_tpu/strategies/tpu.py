@@ -165,7 +165,7 @@ class LocalSGDTPUStrategy(tpu_strategy.TPUStrategyV2):
     def __init__(self, tpu_cluster_resolver=None, **local_sgd_options):
         from returnn_tpu.options import check_tf2_local_sgd_options
 
-        options = check_tf2_local_sgd_options(local_sgd_options, "LocalSGDTPUStrategy")
+        options = check_tf2_local_sgd_options(local_sgd_options, "LocalSGDTPUStrategy", tpu=True)
         with _tpu_strategies_make(ScheduledLocalSGDTPUExtended):
             super().__init__(tpu_cluster_resolver)
         self.extended._start_schedule(options)

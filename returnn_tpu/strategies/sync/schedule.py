@@ -173,24 +173,25 @@ class TracedSchedule:
     fragments due, those of the sync in flight that are applied, those left in flight) becomes a
     table. From the second cycle on the answers repeat with every cycle (checked here, on a third
     cycle), so the traced clock is one counter, the updates since the last (re)start, and a
-    lookup (:meth:`row`). Schedules whose answers depend on more than that counter (by time, a
-    warm-up, a ramp, worker-local rounds) have no such table; the TF2 path refuses them
-    (:data:`returnn_tpu.options.NOT_FOR_TF2_PROGRAMS`).
+    lookup (:meth:`row`, and :meth:`local_round` for ``local_step``'s worker-local rounds).
+    Schedules whose answers depend on more than that counter (by time, a warm-up, a ramp) have no
+    such table; the TF2 path refuses them (:data:`returnn_tpu.options.NOT_FOR_TF2_PROGRAMS`).
     """
 
-    def __init__(self, param_sync_step: int, *, fragments: int = 1, delay: int = 0):
+    def __init__(self, param_sync_step: int, *, fragments: int = 1, delay: int = 0, local_step: Optional[int] = None):
         self.param_sync_step = param_sync_step
         self.num_fragments = fragments
-        host = SyncSchedule(param_sync_step, fragments=fragments, delay=delay)
-        rows = [((), (), ())]  # row 0: before the first update of a (re)start
+        host = SyncSchedule(param_sync_step, fragments=fragments, delay=delay, local_step=local_step)
+        rows = [((), (), (), False)]  # row 0: before the first update of a (re)start
         for _ in range(3 * param_sync_step):
             due = host.step() or SyncDue()
-            rows.append((due.fragments, due.applied, host.in_flight))
+            rows.append((due.fragments, due.applied, host.in_flight, due.local))
         cycle = slice(param_sync_step + 1, 2 * param_sync_step + 1)
         assert rows[cycle] == rows[2 * param_sync_step + 1:], "the host schedule does not repeat with its cycle"
         self.rows = rows[:2 * param_sync_step + 1]
         # [row, (due, applied, in flight), fragment]
-        self._table = tf.constant([[[i in part for i in range(fragments)] for part in row] for row in self.rows])
+        self._table = tf.constant([[[i in part for i in range(fragments)] for part in row[:3]] for row in self.rows])
+        self._local = tf.constant([row[3] for row in self.rows])
 
     def row_index(self, updates: tf.Tensor) -> tf.Tensor:
         """The table's row after ``updates`` updates since the last (re)start: itself within the
@@ -203,3 +204,8 @@ class TracedSchedule:
         those due now, those of the sync in flight applied now, those in flight afterwards."""
         row = tf.gather(self._table, self.row_index(updates))
         return row[0], row[1], row[2]
+
+    def local_round(self, updates: tf.Tensor) -> tf.Tensor:
+        """Whether the replicas of each worker average among themselves after ``updates`` updates
+        since the last (re)start (``local_step``; never with a global sync)."""
+        return tf.gather(self._local, self.row_index(updates))
