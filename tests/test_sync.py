@@ -424,19 +424,26 @@ def test_outer_settings_known_to_overshoot_are_warned_about_at_start(outer, sync
         assert f"param_sync_step {sync_step}" in warning and "learning_rate / (1 - momentum)" in warning
 
 
-@pytest.mark.parametrize("param_sync_step,fragments,delay", [
-    (1, 1, 0), (3, 1, 0), (8, 4, 0), (6, 4, 0), (3, 4, 0), (4, 2, 1), (8, 4, 1), (9, 3, 2), (12, 2, 5)])
-def test_the_traced_clock_of_tf2_programs_answers_as_the_trainers_schedule(param_sync_step, fragments, delay):
+@pytest.mark.parametrize("param_sync_step,fragments,delay,local_step", [
+    (1, 1, 0, None), (3, 1, 0, None), (8, 4, 0, None), (6, 4, 0, None), (3, 4, 0, None), (4, 2, 1, None),
+    (8, 4, 1, None), (9, 3, 2, None), (12, 2, 5, None), (6, 1, 0, 2), (12, 3, 1, 3), (8, 2, 2, 3)])
+def test_the_traced_clock_of_tf2_programs_answers_as_the_trainers_schedule(param_sync_step, fragments, delay,
+                                                                           local_step):
     """The two clocks side by side: the trainer's ``SyncSchedule`` on the host and the traced one a
     TF2 program's strategy counts (``TracedSchedule``, in a ``tf.function``), over five cycles with
     a ``sync_now`` (a restart, after applying the sync in flight) in the middle of the second and
-    the fourth cycle: after every update the same fragments are due, applied and left in flight."""
+    the fourth cycle: after every update the same fragments are due, applied and left in flight,
+    and the same worker-local rounds (``local_step``) happen."""
     from returnn_tpu.strategies.sync import SyncDue, SyncSchedule, TracedSchedule
 
-    host = SyncSchedule(param_sync_step, fragments=fragments, delay=delay)
-    traced = TracedSchedule(param_sync_step, fragments=fragments, delay=delay)
+    host = SyncSchedule(param_sync_step, fragments=fragments, delay=delay, local_step=local_step)
+    traced = TracedSchedule(param_sync_step, fragments=fragments, delay=delay, local_step=local_step)
     since_restart = tf.Variable(0, dtype=tf.int64)
-    after_update = tf.function(lambda: traced.row(since_restart.assign_add(1)))
+
+    @tf.function
+    def after_update():
+        updates = since_restart.assign_add(1)
+        return traced.row(updates), traced.local_round(updates)
 
     @tf.function
     def sync_now():
@@ -453,4 +460,6 @@ def test_the_traced_clock_of_tf2_programs_answers_as_the_trainers_schedule(param
             assert named(sync_now()) == host.take_in_flight(), update
             host.synced()
         due = host.step() or SyncDue()
-        assert tuple(named(mask) for mask in after_update()) == (due.fragments, due.applied, host.in_flight), update
+        masks, local = after_update()
+        assert tuple(named(mask) for mask in masks) == (due.fragments, due.applied, host.in_flight), update
+        assert bool(local) == due.local, update
