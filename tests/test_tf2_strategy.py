@@ -482,18 +482,29 @@ def test_two_workers_train_local_copies_and_combine_them_every_n_updates(tmp_pat
     assert all('stats {"updates": 6, "syncs": 2, "bytes": 136}' in output for output in outputs)
 
 
+def _start_worker(folder, cluster: dict, index: int):
+    """``python worker.py INDEX`` in ``folder`` as worker ``index`` of ``cluster`` (its ``TF_CONFIG``),
+    its output piped."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+    return subprocess.Popen([sys.executable, "worker.py", str(index)], cwd=folder, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config))
+
+
 def test_a_tf2_programs_start_up_timeout_is_an_exception_it_can_catch_and_retry(tmp_path):
     """A TF2 program whose second worker is not there: ``MultiWorkerLocalSGDStrategy`` raises
     ``ClusterDidNotComeUp`` naming that worker and the constructor's ``startup_timeout`` (a TF2
     user never wrote ``distribute_options``). The program catches it, and once worker 1 has come
     its second try makes the strategy on both workers."""
-    import json
-    import os
-    import subprocess
-    import sys
     import time
 
-    from conftest import REPO
     from returnn_tpu.launcher import free_local_ports
 
     (tmp_path / "worker.py").write_text(
@@ -511,10 +522,7 @@ def test_a_tf2_programs_start_up_timeout_is_an_exception_it_can_catch_and_retry(
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
 
     def start(index):
-        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        return subprocess.Popen([sys.executable, "worker.py", str(index)], cwd=tmp_path, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config))
+        return _start_worker(tmp_path, cluster, index)
 
     first = start(0)
     deadline = time.time() + 120
@@ -533,12 +541,7 @@ def test_a_worker_lost_after_the_barrier_ends_tensorflows_start_up_by_the_watchd
     worker 0, held in TensorFlow's C++ start-up, is ended by the start-up watchdog with one line
     naming worker 1, and status 1 (docs/faults.md), not 137. (The watchdog's floor is lowered in
     the program from 60 s to 5 s.)"""
-    import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import REPO
     from returnn_tpu.launcher import free_local_ports
 
     (tmp_path / "worker.py").write_text(
@@ -555,10 +558,7 @@ def test_a_worker_lost_after_the_barrier_ends_tensorflows_start_up_by_the_watchd
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
 
     def start(index):
-        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-        return subprocess.Popen([sys.executable, "worker.py", str(index)], cwd=tmp_path, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=tf_config))
+        return _start_worker(tmp_path, cluster, index)
 
     second = start(1)
     assert second.stdout.readline() == "imported\n"  # worker 0's 3 s then start with worker 1 waiting
