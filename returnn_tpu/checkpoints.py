@@ -355,18 +355,19 @@ class RunCheckpoints:
 
     ``networks`` (:class:`returnn_tpu.returnn_side.networks.EpochNetworks`) names an epoch's file (pretrain
     epochs have their own names); ``builder`` holds the current network's variables, ``optimizer``
-    its state, ``averaging`` (local SGD; None otherwise) the anchors and outer momenta. Only the
+    its state, ``syncs`` (the strategy's, :func:`returnn_tpu.strategies.make_syncs`) the state of
+    local SGD's syncs (:meth:`checkpoint_state`: anchors and outer momenta). Only the
     chief (worker 0) writes the model; each worker writes where its data streams stood beside an
     interrupted checkpoint.
     """
 
-    def __init__(self, config, networks, builder, optimizer, averaging, *, num_epochs: int, num_replicas: int,
+    def __init__(self, config, networks, builder, optimizer, syncs, *, num_epochs: int, num_replicas: int,
                  worker_index: int, log):
         self.config = config
         self.networks = networks
         self.builder = builder
         self.optimizer = optimizer
-        self.averaging = averaging
+        self.syncs = syncs
         self.worker_index = worker_index
         self.chief = worker_index == 0
         self.log = log
@@ -437,12 +438,8 @@ class RunCheckpoints:
         optimizer state and the local-SGD state (anchors, outer momenta)."""
         state = self.builder.variables.network_variables()
         state.update(self.optimizer.variables())
-        state.update(self.sync_state())
+        state.update(self.syncs.checkpoint_state())
         return state
-
-    def sync_state(self) -> Dict[str, tf.Variable]:
-        """The local-SGD state a checkpoint holds (none for plain averaging)."""
-        return self.averaging.state_variables() if self.averaging else {}
 
     def restore(self, prefix: str):
         """Loads ``prefix`` into the network, the optimizer and the local-SGD state. A network that
@@ -452,7 +449,7 @@ class RunCheckpoints:
         partial = self.networks.changes_per_epoch
         restore(prefix, self.builder.variables.network_variables(), partial=partial, log_file=self.log.v3)
         self._restore_optimizer(prefix)
-        restore(prefix, self.sync_state(), partial=True, log_file=self.log.v3)
+        restore(prefix, self.syncs.checkpoint_state(), partial=True, log_file=self.log.v3)
 
     def _restore_optimizer(self, prefix: str):
         """The optimizer's state from the checkpoint. One without the slots (plain RETURNN on TF 2

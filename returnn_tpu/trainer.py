@@ -78,7 +78,7 @@ class Trainer:
         self.exp_loss = config.bool("calculate_exp_loss", False)
         self.num_epochs = config.int("num_epochs", 5)
         self.checkpoints = checkpoints.RunCheckpoints(
-            config, self.networks, self.builder, self.optimizer, self.syncs.averaging, num_epochs=self.num_epochs,
+            config, self.networks, self.builder, self.optimizer, self.syncs, num_epochs=self.num_epochs,
             num_replicas=self.strategy.num_replicas_in_sync, worker_index=self.cluster.worker_index, log=log)
         self.report = EpochReport(
             config, log, self.learning_rate_control, model_filename=self.checkpoints.model_filename,
@@ -132,7 +132,7 @@ class Trainer:
         """Makes the replicas' copies one model now (local SGD; synchronous strategies' copies are
         always equal); counted in ``stats``."""
         with self.stops.lock:
-            self.syncs.now(self.learning_rate, stats)
+            self.syncs.sync_now(self.learning_rate, stats)
 
     # ---- the loop ----------------------------------------------------------------------------
 

@@ -66,7 +66,20 @@ def test_only_the_strategies_know_what_kind_of_strategy_runs():
         if found:
             offending[relative] = found
     assert offending == {}
-    assert "returnn_tpu.strategies.sync.make_syncs" in imports_of(os.path.join("strategies", "__init__.py"))
+    assert "returnn_tpu.strategies.sync.CopiesAlwaysEqual" in imports_of(os.path.join("strategies", "__init__.py"))
+
+
+def test_the_extended_owns_the_sync_parts():
+    """The local-SGD extended owns the schedule, the engine and their state, for the trainer and
+    for TF2 programs: it imports them, and nothing of the sync package imports the extended back."""
+    owner = imports_of(os.path.join("strategies", "extended.py"))
+    assert {"returnn_tpu.strategies.sync.SyncEngine", "returnn_tpu.strategies.sync.SyncSchedule",
+            "returnn_tpu.strategies.sync.LocalSGDSyncs"} <= owner
+    owners = ("returnn_tpu.strategies.extended", "returnn_tpu.strategies.local_sgd",
+              "returnn_tpu.strategies.multi_worker", "returnn_tpu.strategies.tpu")
+    back = {relative: sorted(m for m in imports_of(relative) if m == "returnn_tpu.strategies" or m.startswith(owners))
+            for relative in sources(os.path.join("strategies", "sync"))}
+    assert {k: v for k, v in back.items() if v} == {}
 
 
 @pytest.mark.parametrize("relative", sorted(sources("datapath")))
@@ -97,7 +110,6 @@ def test_the_import_direction_between_the_folders(folder):
         if found:
             offending[relative] = found
     assert offending == {}
-
 
 
 def test_private_tensorflow_only_in_strategies_and_the_patches_module():

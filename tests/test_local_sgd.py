@@ -92,7 +92,7 @@ def test_sync_warmup_is_synchronous_then_local_sgd_starts_from_its_model(tmp_pat
         for local_copy, mirrored_copy in zip(local[name], mirrored[name]):
             numpy.testing.assert_allclose(local_copy, mirrored_copy, atol=1e-6, rtol=0, err_msg=name)
     strategy = trainer.steps.strategy
-    for name, anchor in trainer.syncs.averaging.anchors.items():
+    for name, anchor in trainer.strategy.extended.averaging.anchors.items():
         for copy in strategy.experimental_local_results(anchor):
             numpy.testing.assert_array_equal(copy.numpy(), local[name][0], err_msg=name)
     rng = numpy.random.RandomState(4)

@@ -232,13 +232,13 @@ def test_local_syncs_in_the_trainer_leave_the_outer_state_alone(tmp_path):
     trainer = make_trainer(tmp_path, FEED_FORWARD, distribute_options={
         "param_sync_step": 6, "local_param_sync_step": 2, "outer_optimizer": DILOCO})
     train_steps(trainer, 1, seed=0)
-    anchor = trainer.syncs.averaging.anchors["hidden/W"].numpy()
+    anchor = trainer.strategy.extended.averaging.anchors["hidden/W"].numpy()
     after_2 = train_steps(trainer, 1, seed=1)
     assert replicas_equal(after_2["hidden/W"])  # one worker: the local sync averages all its replicas
-    numpy.testing.assert_array_equal(trainer.syncs.averaging.anchors["hidden/W"].numpy(), anchor)
+    numpy.testing.assert_array_equal(trainer.strategy.extended.averaging.anchors["hidden/W"].numpy(), anchor)
     assert not numpy.array_equal(after_2["hidden/W"][0], anchor)
     train_steps(trainer, 4, seed=2)  # step 6: the global sync moves the anchor
-    assert not numpy.array_equal(trainer.syncs.averaging.anchors["hidden/W"].numpy(), anchor)
+    assert not numpy.array_equal(trainer.strategy.extended.averaging.anchors["hidden/W"].numpy(), anchor)
 
 
 @pytest.mark.parametrize("strategy", ["local_sgd", "local_sgd_tpu"])
@@ -250,7 +250,7 @@ def test_each_fragment_is_synced_once_per_cycle_and_alone(tmp_path, strategy):
     for step in range(1, 17):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
         if step == 1:
-            fragments = trainer.syncs.fragments
+            fragments = trainer.strategy.extended.engine.fragments
             assert sorted(len(f) for f in fragments) == [1, 1, 1, 1]
         values = params(trainer)
         synced = [i for i, names in enumerate(fragments) if all(replicas_equal(values[n]) for n in names)]

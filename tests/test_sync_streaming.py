@@ -71,7 +71,7 @@ def test_an_overlapped_sync_is_applied_tau_updates_later_mixed_into_each_copy(tm
                **(IN_STEP if strategy == "local_sgd_tpu" else {})}
     trainer = make_trainer(tmp_path, FEED_FORWARD, strategy=strategy, distribute_options=options)
     rng = numpy.random.RandomState(0)
-    averaging = trainer.syncs.averaging
+    averaging = trainer.strategy.extended.averaging
     seen = {}
     for update in range(1, 7):
         trainer.train_step(random_step_batches(rng, 2), 0.0 if update == 6 else 0.1)
@@ -101,7 +101,7 @@ def test_each_fragment_reaches_every_replica_tau_updates_after_its_sync_starts(t
     for update in range(1, 17):
         trainer.train_step(random_step_batches(rng, 2), 0.1)
         values = params(trainer)
-        equal = [i for i, names in enumerate(trainer.syncs.fragments)
+        equal = [i for i, names in enumerate(trainer.strategy.extended.engine.fragments)
                  if all(numpy.array_equal(*values[name]) for name in names)]
         assert equal == ([((update - 1) // 2 - 1) % 4] if update % 2 == 1 and update > 1 else []), (update, equal)
 

@@ -13,11 +13,12 @@ from returnn_tpu.cluster import Cluster
 from returnn_tpu.errors import ConfigError
 from returnn_tpu.options import TPU_STRATEGY_NAMES, DistributeOptions
 from returnn_tpu.strategies.devices import local_replica_devices, own_collective_key_base
+from returnn_tpu.strategies.extended import is_local_sgd, updates_in_replica
 from returnn_tpu.strategies.local_sgd import LocalSGDStrategy, SyncCallback, TrainerLocalSGDStrategy
 from returnn_tpu.strategies.multi_worker import (MultiWorkerLocalSGDStrategy, MultiWorkerMirroredStrategy,
                                                  TrainerMultiWorkerLocalSGDStrategy)
 from returnn_tpu.strategies.startup_barrier import ClusterDidNotComeUp
-from returnn_tpu.strategies.sync import CopiesAlwaysEqual, SyncDue, make_syncs
+from returnn_tpu.strategies.sync import CopiesAlwaysEqual, SyncDue
 from returnn_tpu.strategies.tpu import LocalSGDTPUStrategy, TrainerLocalSGDTPUStrategy, make_tpu_strategy
 
 __all__ = [
@@ -82,6 +83,16 @@ def make_strategy(options: DistributeOptions, cluster: Optional[Cluster] = None)
     if options.strategy == "local_sgd":
         return with_own_collective_keys(TrainerLocalSGDStrategy, devices)
     raise AssertionError(f"unhandled distribute_strategy {options.strategy!r}")  # options.py validated it
+
+
+def make_syncs(options: DistributeOptions, strategy: tf.distribute.Strategy, *, num_workers: int,
+               any_worker) -> CopiesAlwaysEqual:
+    """The RETURNN trainer's side of ``strategy``: for synchronous strategies the mean gradient of
+    every update; for local SGD the host driver of the strategy's extended, which owns the
+    schedule, the engine and their state (:meth:`~returnn_tpu.strategies.extended.LocalSGDExtendedMixin.start_host_syncs`)."""
+    if not is_local_sgd(strategy):
+        return CopiesAlwaysEqual(strategy, updates_in_replica=updates_in_replica(strategy))
+    return strategy.extended.start_host_syncs(options, num_workers=num_workers, any_worker=any_worker)
 
 
 def check_replicas_per_worker(options: DistributeOptions, cluster: Optional[Cluster]):

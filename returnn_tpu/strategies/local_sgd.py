@@ -24,8 +24,7 @@ from tensorflow.python.distribute import values as values_lib
 
 from returnn_tpu.strategies.devices import KEYS_PER_STRATEGY, own_collective_key_base
 from returnn_tpu.strategies.extended import LocalSGDExtendedMixin
-from returnn_tpu.strategies.sync import (TracedSchedule, make_averaging, mean_over_all_replicas, mean_within_groups,
-                                         split_into_fragments)
+from returnn_tpu.strategies.sync import TracedSchedule
 
 
 class LocalSGDExtended(LocalSGDExtendedMixin, mirrored_strategy.MirroredExtended):
@@ -52,7 +51,8 @@ class ScheduledLocalSGDMixin:
       ``param_sync_step`` N updates; with ``sync_delay`` d, a sync's mean is taken after its update
       and applied d updates later. The rule is the trainer's :class:`returnn_tpu.strategies.sync.SyncSchedule`,
       read from the table :class:`returnn_tpu.strategies.sync.TracedSchedule` derives from it.
-    * How copies combine is :func:`returnn_tpu.strategies.sync.make_averaging`'s object for the
+    * How a sync runs is :class:`returnn_tpu.strategies.sync.SyncEngine`'s, the trainer's too; how
+      copies combine is :func:`returnn_tpu.strategies.sync.make_averaging`'s object for the
       options: plain averaging, DiLoCo's Nesterov outer step, ``sync_dtype`` (int8/int4 with error
       feedback), ``sync_mix``. Its state (anchors, outer momenta, residuals) is made beside each
       trainable variable as the variable is made in the scope.
@@ -68,7 +68,8 @@ class ScheduledLocalSGDMixin:
         ``keep_synced_model``: keep the model of the last sync where the syncs do not need it
         (:meth:`synced_model`; several workers)."""
         self.sync_delay = options.sync_delay
-        self.averaging = make_averaging(options, keep_synced_model=keep_synced_model)
+        self._start_engine(options, keep_synced_model)
+        self.engine.attach(lambda: self._synced_variables)
         local_step = options.local_param_sync_step if len(self.worker_devices) > 1 else None  # else nothing to average
         self._schedule = TracedSchedule(options.param_sync_step, fragments=options.sync_fragments,
                                         delay=options.sync_delay, local_step=local_step)
@@ -143,28 +144,25 @@ class ScheduledLocalSGDMixin:
         due, applied, _ = self._schedule.row(since_restart)
         fragments = self._fragments()
         if self.sync_delay:
-            for fragment, variables in fragments:
-                when(applied[fragment], lambda variables=variables: self._finish_overlapped(variables))
-        for fragment, variables in fragments:
+            for fragment in fragments:
+                when(applied[fragment], lambda fragment=fragment: self._finish_overlapped(fragment))
+        for fragment in fragments:
             start = self._start_overlapped if self.sync_delay else self._sync_fragment
-            when(due[fragment], lambda variables=variables, start=start: start(variables))
+            when(due[fragment], lambda fragment=fragment, start=start: start(fragment))
         if self._local_rounds:
             when(self._schedule.local_round(since_restart), self._sync_within_workers)
 
-    def _fragments(self):
-        """``(index, its trainable variables: key -> variable)`` of each fragment that has any,
-        split as the trainer splits (a model of fewer variables than fragments leaves some empty)."""
-        sizes = {key: var.shape.num_elements() * var.dtype.size for key, var in self._synced_variables.items()}
-        return [(index, {key: self._synced_variables[key] for key in keys})
-                for index, keys in enumerate(split_into_fragments(sizes, self._schedule.num_fragments)) if keys]
+    def _fragments(self) -> List[int]:
+        """The fragments that have trainable variables (a model of fewer variables than fragments
+        leaves some empty)."""
+        return [index for index, keys in enumerate(self.engine.fragments) if keys]
 
     def _in_replicas(self, sync_in_replica):
-        """Runs ``sync_in_replica(strategy)`` in replica context on every replica, its all-reduces
+        """Runs ``sync_in_replica()`` in replica context on every replica, its all-reduces
         reducing (the sync's own ``strategy.run``)."""
-        strategy = self._container_strategy()
         self._syncing = True
         try:
-            self._run_in_replicas(lambda: sync_in_replica(strategy))
+            self._run_in_replicas(sync_in_replica)
         finally:
             self._syncing = False
 
@@ -172,35 +170,31 @@ class ScheduledLocalSGDMixin:
         """``fn()`` in replica context on every replica, as the base strategy runs it."""
         super()._call_for_each_replica(fn, (), {})
 
-    def _sync_fragment(self, variables: dict):
-        self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
-            strategy, variables, mean_over_all_replicas, learning_rate=tf.constant(1.0)))
-        self._count_sync(variables)
+    # The syncs: the engine's, in the program. The program's learning rate is not the strategy's
+    # to see (SlowMo, which scales by it, is refused); 1.0 leaves the outer step as configured.
+
+    def _sync_fragment(self, fragment: int):
+        self._in_replicas(lambda: self.engine.sync_in_replica((fragment,), tf.constant(1.0)))
+        self._count_sync(fragment)
 
     def _sync_within_workers(self):
-        """A worker-local round (``local_param_sync_step``): the replicas of each worker average
-        their copies among themselves, with no traffic between workers and no outer step (the
-        anchor and outer state are the global syncs')."""
-        group = mean_within_groups(len(self.worker_devices))
-        self._in_replicas(lambda strategy: self.averaging.sync_in_replica(
-            strategy, self._synced_variables, group, learning_rate=tf.constant(1.0), outer_step=False))
+        """A worker-local round (``local_param_sync_step``): no traffic between workers."""
+        self._in_replicas(lambda: self.engine.sync_in_replica((), tf.constant(1.0), local=True))
 
-    def _start_overlapped(self, variables: dict):
-        def snapshot_and_reduce(strategy):
-            self.averaging.snapshot_in_replica(strategy, variables)
-            self.averaging.reduce_in_replica(strategy, list(variables))
+    def _start_overlapped(self, fragment: int):
+        def snapshot_and_reduce():
+            self.engine.snapshot_in_replica((fragment,))
+            self.engine.reduce_in_replica((fragment,))
 
         self._in_replicas(snapshot_and_reduce)
-        self._count_sync(variables)
+        self._count_sync(fragment)
 
-    def _finish_overlapped(self, variables: dict):
-        self._in_replicas(lambda strategy: self.averaging.apply_in_replica(
-            strategy, variables, learning_rate=tf.constant(1.0)))
+    def _finish_overlapped(self, fragment: int):
+        self._in_replicas(lambda: self.engine.apply_in_replica((fragment,), tf.constant(1.0)))
 
-    def _count_sync(self, variables):
-        local_copies = len(self.worker_devices)
+    def _count_sync(self, fragment: int):
         self._syncs.assign_add(1)
-        self._bytes.assign_add(local_copies * self.averaging.bytes_per_replica(variables))
+        self._bytes.assign_add(self.engine.sync_bytes((fragment,)))
 
     # ---- the public surface ------------------------------------------------------------------
 
@@ -219,10 +213,10 @@ class ScheduledLocalSGDMixin:
     def _sync_all(self):
         if self.sync_delay:
             _, _, in_flight = self._schedule.row(self._since_restart.read_value())
-            for fragment, variables in self._fragments():
-                when(in_flight[fragment], lambda variables=variables: self._finish_overlapped(variables))
-        for _, variables in self._fragments():
-            self._sync_fragment(variables)
+            for fragment in self._fragments():
+                when(in_flight[fragment], lambda fragment=fragment: self._finish_overlapped(fragment))
+        for fragment in self._fragments():
+            self._sync_fragment(fragment)
         self._since_restart.assign(0)  # a restart of the schedule, as the trainer's after a full sync
 
     @property

@@ -24,16 +24,14 @@ takes :meth:`CopiesAlwaysEqual.update_rules` ``(True)``, the rules of a synchron
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from returnn_tpu.strategies.sync.averaging import ParameterAveraging, mean_over_all_replicas, mean_within_groups
+from returnn_tpu.strategies.sync.averaging import ParameterAveraging
 from returnn_tpu.strategies.sync.background import BackgroundCalls
-from returnn_tpu.strategies.sync.fragments import split_into_fragments
+from returnn_tpu.strategies.sync.engine import SyncEngine, Variables
 from returnn_tpu.strategies.sync.schedule import SyncDue, SyncSchedule
-
-Variables = Callable[[], Dict[str, tf.Variable]]  # the network's trainable variables by name
 
 
 class CopiesAlwaysEqual:
@@ -103,7 +101,7 @@ class CopiesAlwaysEqual:
     def at_epoch_end(self, learning_rate: float, stats):
         """Before the epoch's dev evaluation and checkpoint: one model."""
 
-    def now(self, learning_rate: float = 0.0, stats=None):
+    def sync_now(self, learning_rate: float = 0.0, stats=None):
         """All copies made one model now (before a stop's checkpoint, or when a caller needs it)."""
 
     def at_network_start(self):
@@ -121,33 +119,36 @@ class CopiesAlwaysEqual:
         the parameters themselves (synchronous strategies' copies are always that model)."""
         return None
 
+    def checkpoint_state(self) -> Dict[str, tf.Variable]:
+        """The state of the syncs a checkpoint holds beside the model and the optimizer, by name
+        (local SGD's anchors and outer momenta; none for synchronous strategies and plain averaging)."""
+        return self.averaging.state_variables() if self.averaging else {}
+
 
 class LocalSGDSyncs(CopiesAlwaysEqual):
-    """Local SGD: ``schedule`` says when, ``averaging`` how the copies are combined. Every full sync
-    restarts the schedule's phase. ``sync_steps`` (updates between syncs; None: by time) is for the
+    """Local SGD, driven from the host: ``schedule`` says when, ``engine`` (:class:`SyncEngine`, with
+    its averaging) how the copies are combined. Every full sync restarts the schedule's phase. ``sync_steps`` (updates between syncs; None: by time) is for the
     start's warning; ``ignored_local_step``: ``local_param_sync_step`` was set where each worker has
     one replica (nothing to average within a worker)."""
 
     reduces_gradients = False
 
-    def __init__(self, strategy, averaging: ParameterAveraging, schedule: SyncSchedule, *, updates_in_replica: bool,
+    def __init__(self, strategy, engine: SyncEngine, schedule: SyncSchedule, *, updates_in_replica: bool,
                  sync_steps: Optional[int], ignored_local_step: bool = False):
         super().__init__(strategy, updates_in_replica=updates_in_replica)
-        self.averaging = averaging
+        self.engine = engine
+        self.averaging = engine.averaging
         self.schedule = schedule
         self.sync_steps = sync_steps
         self.ignored_local_step = ignored_local_step
-        self.fragments: List[List[str]] = []  # parameter names per fragment of the current network
-        self._variables: Variables = dict
         self._optimizer = None
         # The warm-up's updates (``sync_warmup_steps``) follow a synchronous strategy's rules.
         self._synchronous = CopiesAlwaysEqual(strategy, updates_in_replica=updates_in_replica)
 
     def attach(self, variables, optimizer):
         self._synchronous.attach(variables, optimizer)
-        self._variables, self._optimizer = variables, optimizer
-        sizes = {name: var.shape.num_elements() * var.dtype.size for name, var in variables().items()}
-        self.fragments = split_into_fragments(sizes, self.schedule.num_fragments)
+        self._optimizer = optimizer
+        self.engine.attach(variables, optimizer)
         self.averaging.create_state(self.strategy, variables())
         self._sync = tf.function(self._sync_fn, autograph=False)  # one trace per kind of sync
         self._start_sync = tf.function(self._start_sync_fn, autograph=False)
@@ -194,9 +195,9 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
 
     def at_epoch_end(self, learning_rate, stats):
         if self.schedule.pending():
-            self.now(learning_rate, stats)
+            self.sync_now(learning_rate, stats)
 
-    def now(self, learning_rate=0.0, stats=None):
+    def sync_now(self, learning_rate=0.0, stats=None):
         if self.schedule.warming_up:
             return  # the copies are equal after every synchronous update (and an outer step has no anchor yet)
         due = self.schedule.all_fragments
@@ -234,10 +235,7 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
 
     def sync_bytes(self, due: SyncDue) -> int:
         """Bytes this worker hands to the collective of one sync of ``due``."""
-        if self.strategy.num_replicas_in_sync == 1 or due.local:
-            return 0  # nothing leaves the replica, or the worker
-        return self.local_replicas * self.averaging.bytes_per_replica(
-            self._fragment_variables(due.fragments), self._optimizer.slots_by_variable())
+        return self.engine.sync_bytes(due.fragments, due.local)
 
     def _after_synchronous_update(self, stats) -> bool:
         """After a warm-up update: its gradients' bytes counted; after the last one, local SGD
@@ -250,34 +248,22 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
 
     def _run(self, due: SyncDue, learning_rate: float, stats):
         start = time.perf_counter()
-        self._sync_now(due, learning_rate)
+        self._sync_between_steps(due, learning_rate)
         if stats is not None:
             stats.add_sync(time.perf_counter() - start, self.sync_bytes(due), local=due.local)
 
-    def _sync_now(self, due: SyncDue, learning_rate: float):
+    def _sync_between_steps(self, due: SyncDue, learning_rate: float):
         """Host path: the sync ``due`` names, between steps."""
         self._sync(tuple(due.fragments), due.local, tf.constant(learning_rate, tf.float32))
 
     def _fragment_flags(self, fragments: Tuple[int, ...]) -> tf.Tensor:
         return tf.constant([i in fragments for i in range(self.schedule.num_fragments)])
 
-    def _fragment_variables(self, fragments: Tuple[int, ...]) -> Dict[str, tf.Variable]:
-        variables = self._variables()
-        return {name: variables[name] for i in fragments for name in self.fragments[i]}
-
     # ---- traced: the syncs in replica context, and the host path's functions ----------------------
 
     def _replica_sync(self, fragments: Tuple[int, ...], local: bool, learning_rate) -> tf.Tensor:
         """In replica context: the sync of the named fragments, or a worker-local one."""
-        self.averaging.sync_in_replica(
-            self.strategy,
-            self._variables() if local else self._fragment_variables(fragments),
-            mean_within_groups(self.local_replicas) if local else mean_over_all_replicas,
-            learning_rate=learning_rate,
-            slots=self._optimizer.slots_by_variable(),
-            slot_step=self._optimizer.slot_step,
-            outer_step=not local,
-        )
+        self.engine.sync_in_replica(fragments, learning_rate, local)
         return tf.constant(True)
 
     def _sync_fn(self, fragments: Tuple[int, ...], local: bool, learning_rate):
@@ -285,7 +271,7 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
 
     def _start_sync_fn(self):
         """All copies, on all workers, one model and the averaging's anchor (no outer step)."""
-        self.strategy.run(lambda: self.averaging.start_in_replica(self.strategy, self._variables()))
+        self.strategy.run(self.engine.start_in_replica)
 
 
 class OverlappedSyncs(LocalSGDSyncs):
@@ -343,7 +329,7 @@ class OverlappedSyncs(LocalSGDSyncs):
             if due.fragments:
                 self._start_overlapped(due.fragments)
             elif due.local:
-                self._sync_now(due, learning_rate)
+                self._sync_between_steps(due, learning_rate)
         seconds = 0.0 if self.updates_in_replica else time.perf_counter() - start
         if due.fragments or due.local:
             stats.add_sync(seconds, self.sync_bytes(due), local=due.local)
@@ -351,14 +337,14 @@ class OverlappedSyncs(LocalSGDSyncs):
             stats.sync_seconds += seconds
         return bool(due.applied)
 
-    def now(self, learning_rate=0.0, stats=None):
+    def sync_now(self, learning_rate=0.0, stats=None):
         in_flight = self.schedule.take_in_flight()
         if in_flight:
             start = time.perf_counter()
             self._finish_overlapped(in_flight, learning_rate)
             if stats is not None:
                 stats.sync_seconds += time.perf_counter() - start
-        super().now(learning_rate, stats)
+        super().sync_now(learning_rate, stats)
 
     def _start_overlapped(self, fragments: Tuple[int, ...]):
         """Host path: takes each replica's change of ``fragments`` now and starts their all-reduce,
@@ -382,15 +368,15 @@ class OverlappedSyncs(LocalSGDSyncs):
 
     def _replica_start_overlapped(self, fragments: Tuple[int, ...]) -> tf.Tensor:
         """In-step path: an overlapped sync's snapshot, after the update of the step it starts at."""
-        self.averaging.snapshot_in_replica(self.strategy, self._fragment_variables(fragments))
+        self.engine.snapshot_in_replica(fragments)
         return tf.constant(True)
 
     def _replica_reduce(self, fragments: Tuple[int, ...]) -> tf.Tensor:
-        self.averaging.reduce_in_replica(self.strategy, list(self._fragment_variables(fragments)))
+        self.engine.reduce_in_replica(fragments)
         return tf.constant(True)
 
     def _replica_apply(self, fragments: Tuple[int, ...], learning_rate) -> tf.Tensor:
-        self.averaging.apply_in_replica(self.strategy, self._fragment_variables(fragments), learning_rate=learning_rate)
+        self.engine.apply_in_replica(fragments, learning_rate)
         return tf.constant(True)
 
     def _snapshot_fn(self, fragments: Tuple[int, ...]):
