@@ -33,6 +33,10 @@ class LocalSGDExtendedMixin:
         self.averaging = make_averaging(options, keep_synced_model=keep_synced_model)
         self.engine = SyncEngine(self._container_strategy(), self.averaging, options.sync_fragments)
 
+    def _local_step(self, options):
+        """``local_param_sync_step`` where this worker has replicas to average among themselves, else None."""
+        return options.local_param_sync_step if len(self.worker_devices) > 1 else None
+
     def start_host_syncs(self, options, *, num_workers: int, any_worker) -> LocalSGDSyncs:
         """The RETURNN trainer's local SGD on this extended: the host's schedule
         (:class:`~returnn_tpu.strategies.sync.SyncSchedule`: steps or seconds, warm-up, ramp,
@@ -41,7 +45,7 @@ class LocalSGDExtendedMixin:
         host driver the trainer's loop calls (:class:`~returnn_tpu.strategies.sync.LocalSGDSyncs`;
         overlapped: :class:`~returnn_tpu.strategies.sync.OverlappedSyncs`)."""
         self._start_engine(options, keep_synced_model=num_workers > 1)
-        local_step = options.local_param_sync_step if len(self.worker_devices) > 1 else None  # else nothing to average
+        local_step = self._local_step(options)
         self.schedule = SyncSchedule(
             options.param_sync_step,
             options.param_sync_time_diff,

@@ -70,7 +70,7 @@ class ScheduledLocalSGDMixin:
         self.sync_delay = options.sync_delay
         self._start_engine(options, keep_synced_model)
         self.engine.attach(lambda: self._synced_variables)
-        local_step = options.local_param_sync_step if len(self.worker_devices) > 1 else None  # else nothing to average
+        local_step = self._local_step(options)
         self._schedule = TracedSchedule(options.param_sync_step, fragments=options.sync_fragments,
                                         delay=options.sync_delay, local_step=local_step)
         self._local_rounds = local_step is not None

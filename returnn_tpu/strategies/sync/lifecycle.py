@@ -2,7 +2,7 @@
 happens to the replicas' copies after each update, at the end of an epoch (before its dev
 evaluation and checkpoint), at a stop, and when a network starts.
 
-The trainer asks one object, which :func:`returnn_tpu.strategies.sync.make_syncs` makes for its
+The trainer asks one object, which :func:`returnn_tpu.strategies.make_syncs` makes for its
 strategy, and never which strategy it runs:
 
 * :class:`CopiesAlwaysEqual` (synchronous strategies): every update takes the replicas' mean
