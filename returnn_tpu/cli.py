@@ -198,7 +198,7 @@ def train(filename: str, overrides: List[str]) -> int:
             use_persistent_xla_cache(config)
         select_backend(config)
         setup_returnn()
-        optimizer_from_config(config)
+        optimizer = optimizer_from_config(config)  # bad input found before TensorFlow starts
         check_classes(config)
         if options.jit_compile:
             check_xla_compatible(config.typed_value("network") or {})
@@ -221,7 +221,8 @@ def train(filename: str, overrides: List[str]) -> int:
         rnn.returnn_greeting(config_filename=filename, command_line_options=overrides)
         for message in ignored:
             print(f"returnn-tpu: ignoring {message}", file=rnn.log.v3)
-        trainer = Trainer(config, options, cluster, config_source=(filename, overrides), checked=True)
+        trainer = Trainer(config, options, cluster, config_source=(filename, overrides), checked=True,
+                          optimizer=optimizer)
         for signum in STOP_SIGNALS:  # replaces TensorFlow's multi-worker handler
             signal.signal(signum, trainer.stops.request.handle)
         trainer.stops.watch_signals(STOP_SIGNALS)

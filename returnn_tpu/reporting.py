@@ -71,14 +71,6 @@ class EpochStats:
         self.agree_seconds += seconds
         self.agree_bytes += sent_bytes
 
-    def add_sync(self, seconds: float, sent_bytes: int, local: bool = False):
-        if local:
-            self.local_syncs += 1
-        else:
-            self.syncs += 1
-        self.sync_seconds += seconds
-        self.sync_bytes += sent_bytes
-
 
 class ScoreAccumulator:
     """Sums RETURNN's per-batch costs, errors and frame counts; gives RETURNN's epoch scores.

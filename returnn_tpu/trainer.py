@@ -32,16 +32,15 @@ from returnn_tpu.stops import RunStops
 from returnn_tpu.workers import WorkerCollectives
 
 
-
 class Trainer:
     """Trains the network of a RETURNN config with the configured distribution strategy.
 
     ``config_source``: the config file and its ``++`` overrides, from which the data producer
     process loads the same config (without: data on a thread). ``checked``: the command line
-    has checked the config (:func:`returnn_tpu.startup.check_config`)."""
+    has checked the config (:func:`returnn_tpu.startup.check_config`) and made its ``optimizer``."""
 
     def __init__(self, config, options: DistributeOptions, cluster: Optional[Cluster] = None,
-                 config_source: Optional[Tuple[str, List[str]]] = None, checked: bool = False):
+                 config_source: Optional[Tuple[str, List[str]]] = None, checked: bool = False, optimizer=None):
         from returnn.log import log
 
         if not checked:  # a trainer made from a Config object: as the command line checks it
@@ -57,7 +56,7 @@ class Trainer:
                                 any_worker=self.workers.any)
         self.networks = EpochNetworks(config)
         self.builder = NetworkBuilder(config, net_dict=self.networks.net_dict(1))
-        self.optimizer = optimizer_from_config(config)
+        self.optimizer = optimizer or optimizer_from_config(config)  # its variables come with the network
         # Two counts: batches (RETURNN's global train step, what `dynamic_learning_rate` and the
         # learning_rate_file's global_train_step see) and updates (the optimizer's step, what
         # param_sync_step and the checkpoint's global_step count); they differ with
@@ -164,9 +163,10 @@ class Trainer:
         finally:
             self.close()
         if self.cluster.is_chief:
-            logs = ", ".join(self.config.list("log", [])) or "stdout only"
+            logs, done = ", ".join(self.config.list("log", [])) or "stdout only", self.syncs.sync_stats
             print(f"returnn-tpu: finished training at epoch {self.num_epochs}: model "
-                  f"{self.checkpoints.epoch_filename(self.num_epochs)}, log {logs}, metrics {self.report.metrics_path}",
+                  f"{self.checkpoints.epoch_filename(self.num_epochs)}, log {logs}, metrics {self.report.metrics_path}; "
+                  f"this process: {done['updates']} updates, {done['syncs']} syncs, {done['bytes'] / 1e6:.3g} MB sent",
                   file=self.log.v1)
 
     def start_notes(self) -> List[str]:

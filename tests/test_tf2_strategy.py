@@ -82,7 +82,8 @@ def test_the_custom_training_loop_trains_local_copies_and_averages_every_n_updat
             assert not any(numpy.allclose(kernels[0], other) for other in kernels[1:]), step
         else:  # the sync after update 3 and 6
             assert all(numpy.array_equal(kernels[0], other) for other in kernels[1:]), step
-    assert strategy.extended.sync_stats == {"updates": 6, "syncs": 2, "bytes": 2 * REPLICAS * (4 + 1) * 4}
+    assert strategy.extended.sync_stats == {"updates": 6, "syncs": 2, "local_syncs": 0,
+                                            "bytes": 2 * REPLICAS * (4 + 1) * 4}
 
 
 def test_local_sgd_of_one_update_is_synchronous_sgd():
@@ -338,8 +339,11 @@ DILOCO = {"class": "nesterov", "learning_rate": 0.7, "momentum": 0.5}
 def test_the_custom_loop_syncs_by_the_rules_in_numpy(options, rules):
     """Twelve updates of TensorFlow's custom loop against :func:`_numpy_local_sgd`: every copy
     after every update, to 1e-5 (the int4 and int8 rows round the same values alike)."""
-    ours = _custom_loop(LocalSGDStrategy(DEVICES, **options), 12)
+    strategy = LocalSGDStrategy(DEVICES, **options)
+    ours = _custom_loop(strategy, 12)
     theirs = _numpy_local_sgd(12, options["param_sync_step"], **rules)
+    # Local rounds after updates 2 and 4 of each cycle of 6; two cycles.
+    assert strategy.extended.sync_stats["local_syncs"] == (4 if "local_step" in rules else 0)
     for step, (our_step, their_step) in enumerate(zip(ours, theirs), start=1):
         for name in ("kernel", "bias"):
             for replica in range(REPLICAS):

@@ -81,7 +81,7 @@ class ScheduledLocalSGDMixin:
 
         self._updates, self._updates_scheduled = counter("updates"), counter("updates_scheduled")
         self._since_restart = counter("updates_since_restart")  # the traced clock (TracedSchedule)
-        self._syncs, self._bytes = counter("syncs"), counter("bytes")
+        self._counts = {key: counter(key) for key in ("syncs", "local_syncs", "bytes")}  # sync_stats
         self._synced_variables = {}  # key (creation order) -> a trainable variable made in the scope
         self._sync_now_traced = None  # (variables when traced, sync_now's program)
 
@@ -180,6 +180,7 @@ class ScheduledLocalSGDMixin:
     def _sync_within_workers(self):
         """A worker-local round (``local_param_sync_step``): no traffic between workers."""
         self._in_replicas(lambda: self.engine.sync_in_replica((), tf.constant(1.0), local=True))
+        self._counts["local_syncs"].assign_add(1)
 
     def _start_overlapped(self, fragment: int):
         def snapshot_and_reduce():
@@ -193,8 +194,8 @@ class ScheduledLocalSGDMixin:
         self._in_replicas(lambda: self.engine.apply_in_replica((fragment,), tf.constant(1.0)))
 
     def _count_sync(self, fragment: int):
-        self._syncs.assign_add(1)
-        self._bytes.assign_add(self.engine.sync_bytes((fragment,)))
+        self._counts["syncs"].assign_add(1)
+        self._counts["bytes"].assign_add(self.engine.sync_bytes((fragment,)))
 
     # ---- the public surface ------------------------------------------------------------------
 
@@ -243,16 +244,17 @@ class ScheduledLocalSGDMixin:
         ``for var, synced in zip(model.trainable_variables, strategy.extended.synced_model()):
         var.assign(tf.cast(synced, var.dtype))`` before ``model.save``. None where it is not kept:
         plain float32 averaging on one machine (its syncs do not need it)."""
-        if not self.averaging.keeps_anchor:
-            return None
-        return [self.averaging.anchors[key] for key in self._synced_variables]
+        model = self.engine.synced_model()
+        return None if model is None else [model[key] for key in self._synced_variables]
 
     @property
     def sync_stats(self) -> dict:
         """The updates made, the syncs (each combines one fragment, all trainable variables
-        without ``sync_fragments``) and the bytes this worker's replicas handed to them."""
-        return {"updates": int(self._updates.numpy()), "syncs": int(self._syncs.numpy()),
-                "bytes": int(self._bytes.numpy())}
+        without ``sync_fragments``), the worker-local rounds (``local_param_sync_step``) and the
+        bytes this worker's replicas handed to them; the keys of the RETURNN trainer's
+        (:attr:`returnn_tpu.strategies.sync.LocalSGDSyncs.sync_stats`)."""
+        return {"updates": int(self._updates.numpy()),
+                **{key: int(counter.numpy()) for key, counter in self._counts.items()}}
 
 
 def when(condition: tf.Tensor, action):

@@ -74,6 +74,11 @@ class SyncEngine:
         return self.local_replicas * self.averaging.bytes_per_replica(self.fragment_variables(fragments),
                                                                       self._slots())
 
+    def synced_model(self) -> Optional[Dict[str, tf.Variable]]:
+        """The model of the last sync (name -> float32 variable), which every worker holds where
+        the averaging keeps it (an anchor: DiLoCo, quantized syncs, several workers); else None."""
+        return self.averaging.anchors if self.averaging.keeps_anchor else None
+
     def _slots(self) -> Optional[dict]:
         return self._optimizer.slots_by_variable() if self._optimizer is not None else None
 

@@ -18,7 +18,9 @@ strategy, and never which strategy it runs:
 With ``sync_warmup_steps`` the schedule makes the first updates synchronous: the train step then
 takes :meth:`CopiesAlwaysEqual.update_rules` ``(True)``, the rules of a synchronous strategy.
 
-``stats`` counts the syncs of the epoch (:class:`returnn_tpu.reporting.EpochStats`).
+``stats`` counts the syncs of the epoch (:class:`returnn_tpu.reporting.EpochStats`); the
+driver's :attr:`CopiesAlwaysEqual.sync_stats` counts those of the process, by the keys of a TF2
+program's ``strategy.extended.sync_stats``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class CopiesAlwaysEqual:
         self.updates_in_replica = updates_in_replica
         self.local_replicas = len(strategy.extended.worker_devices)
         self.update_bytes = 0  # this worker's gradients in one update's all-reduce
+        self._totals = {"updates": 0, "syncs": 0, "local_syncs": 0, "bytes": 0}
 
     def attach(self, variables: Variables, optimizer):
         """A network's trainable variables exist (``variables()`` returns them by name) and
@@ -95,8 +98,33 @@ class CopiesAlwaysEqual:
         """After an update: the sync ``due`` names, if the step did not make it itself. Returns
         whether the workers' copies were combined (a part of them, with fragments): the model a
         survivor of a lost peer saves moved on."""
-        stats.sync_bytes += self.update_bytes
+        self._totals["updates"] += 1
+        return self._after_update(due, learning_rate, stats)
+
+    def _after_update(self, due: Optional[SyncDue], learning_rate: float, stats) -> bool:
+        self._count(stats, sent_bytes=self.update_bytes)
         return True
+
+    def _count(self, stats, seconds: float = 0.0, sent_bytes: int = 0, sync: Optional[str] = None):
+        """What an update or a sync cost, counted in the epoch's ``stats`` (if any) and in
+        :attr:`sync_stats`: its seconds in the loop, the bytes this worker handed to collectives,
+        and, for ``sync`` ``"syncs"`` or ``"local_syncs"``, one sync of that kind."""
+        self._totals["bytes"] += sent_bytes
+        if sync:
+            self._totals[sync] += 1
+        if stats is not None:
+            stats.sync_seconds += seconds
+            stats.sync_bytes += sent_bytes
+            if sync:
+                setattr(stats, sync, getattr(stats, sync) + 1)
+
+    @property
+    def sync_stats(self) -> dict:
+        """What this process did since it started: the updates, the syncs between all replicas (a
+        fragment's sync counts as one), the worker-local rounds, and the bytes this worker handed
+        to them (synchronous strategies: the gradients' all-reduces). The keys are those of a TF2
+        program's ``strategy.extended.sync_stats``."""
+        return dict(self._totals)
 
     def at_epoch_end(self, learning_rate: float, stats):
         """Before the epoch's dev evaluation and checkpoint: one model."""
@@ -127,9 +155,10 @@ class CopiesAlwaysEqual:
 
 class LocalSGDSyncs(CopiesAlwaysEqual):
     """Local SGD, driven from the host: ``schedule`` says when, ``engine`` (:class:`SyncEngine`, with
-    its averaging) how the copies are combined. Every full sync restarts the schedule's phase. ``sync_steps`` (updates between syncs; None: by time) is for the
-    start's warning; ``ignored_local_step``: ``local_param_sync_step`` was set where each worker has
-    one replica (nothing to average within a worker)."""
+    its averaging) how the copies are combined. Every full sync restarts the schedule's phase.
+    ``sync_steps`` (updates between syncs; None: by time) is for the start's warning;
+    ``ignored_local_step``: ``local_param_sync_step`` was set where each worker has one replica
+    (nothing to average within a worker)."""
 
     reduces_gradients = False
 
@@ -178,20 +207,20 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
     def due(self):
         return self.schedule.step()  # param_sync_step counts updates
 
-    def after_update(self, due, learning_rate, stats):
+    def _after_update(self, due, learning_rate, stats):
         if due is None:
             return False
         if due.mean_gradient:
             return self._after_synchronous_update(stats)
         if self.updates_in_replica:  # the step synced: counted, not timed
-            stats.add_sync(0.0, self.sync_bytes(due), local=due.local)
+            self._count_sync(stats, 0.0, due)
         else:
             self._run(due, learning_rate, stats)
         return not due.local
 
     def synced_model(self):
         # In the warm-up the copies are that model; the anchor is set when local SGD starts.
-        return self.averaging.anchors if self.averaging.keeps_anchor and not self.schedule.warming_up else None
+        return None if self.schedule.warming_up else self.engine.synced_model()
 
     def at_epoch_end(self, learning_rate, stats):
         if self.schedule.pending():
@@ -233,14 +262,15 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
             notes.append(f"warning: {warning}")
         return notes
 
-    def sync_bytes(self, due: SyncDue) -> int:
-        """Bytes this worker hands to the collective of one sync of ``due``."""
-        return self.engine.sync_bytes(due.fragments, due.local)
+    def _count_sync(self, stats, seconds: float, due: SyncDue):
+        """One sync of ``due`` counted: ``seconds`` of the loop's, the bytes this worker hands to its collective."""
+        self._count(stats, seconds, self.engine.sync_bytes(due.fragments, due.local),
+                    sync="local_syncs" if due.local else "syncs")
 
     def _after_synchronous_update(self, stats) -> bool:
         """After a warm-up update: its gradients' bytes counted; after the last one, local SGD
         starts from the model every copy holds, which becomes the first cycle's anchor."""
-        stats.sync_bytes += self._synchronous.update_bytes
+        self._count(stats, sent_bytes=self._synchronous.update_bytes)
         if not self.schedule.warming_up:
             self._start_sync()
             self.schedule.synced()
@@ -249,8 +279,7 @@ class LocalSGDSyncs(CopiesAlwaysEqual):
     def _run(self, due: SyncDue, learning_rate: float, stats):
         start = time.perf_counter()
         self._sync_between_steps(due, learning_rate)
-        if stats is not None:
-            stats.add_sync(time.perf_counter() - start, self.sync_bytes(due), local=due.local)
+        self._count_sync(stats, time.perf_counter() - start, due)
 
     def _sync_between_steps(self, due: SyncDue, learning_rate: float):
         """Host path: the sync ``due`` names, between steps."""
@@ -315,7 +344,7 @@ class OverlappedSyncs(LocalSGDSyncs):
         for index in range(self.schedule.num_fragments):
             tf.cond(due[index], lambda i=index: self._replica_start_overlapped((i,)), lambda: tf.constant(False))
 
-    def after_update(self, due, learning_rate, stats):
+    def _after_update(self, due, learning_rate, stats):
         if due is not None and due.mean_gradient:
             return self._after_synchronous_update(stats)
         if self.updates_in_replica:
@@ -332,9 +361,9 @@ class OverlappedSyncs(LocalSGDSyncs):
                 self._sync_between_steps(due, learning_rate)
         seconds = 0.0 if self.updates_in_replica else time.perf_counter() - start
         if due.fragments or due.local:
-            stats.add_sync(seconds, self.sync_bytes(due), local=due.local)
+            self._count_sync(stats, seconds, due)
         else:
-            stats.sync_seconds += seconds
+            self._count(stats, seconds)
         return bool(due.applied)
 
     def sync_now(self, learning_rate=0.0, stats=None):
@@ -342,8 +371,7 @@ class OverlappedSyncs(LocalSGDSyncs):
         if in_flight:
             start = time.perf_counter()
             self._finish_overlapped(in_flight, learning_rate)
-            if stats is not None:
-                stats.sync_seconds += time.perf_counter() - start
+            self._count(stats, time.perf_counter() - start)
         super().sync_now(learning_rate, stats)
 
     def _start_overlapped(self, fragments: Tuple[int, ...]):
