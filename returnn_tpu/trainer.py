@@ -166,7 +166,7 @@ class Trainer:
             logs, done = ", ".join(self.config.list("log", [])) or "stdout only", self.syncs.sync_stats
             print(f"returnn-tpu: finished training at epoch {self.num_epochs}: model "
                   f"{self.checkpoints.epoch_filename(self.num_epochs)}, log {logs}, metrics {self.report.metrics_path}; "
-                  f"this process: {done['updates']} updates, {done['syncs']} syncs, {done['bytes'] / 1e6:.3g} MB sent",
+                  f"this process: {done['updates']} updates, {done['syncs']} syncs, {done['bytes'] / 1e6:.3f} MB sent",
                   file=self.log.v1)
 
     def start_notes(self) -> List[str]:

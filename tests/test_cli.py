@@ -57,7 +57,7 @@ def test_demo_trains_and_dev_score_improves(tmp_path):
     assert f"returnn-tpu: finished training at epoch 3: model {tmp_path / 'model.003'}" in result.stdout
     updates, syncs = sum(m["steps"] for m in metrics), sum(m["syncs"] for m in metrics)
     sent = sum(m["sync_bytes"] for m in metrics) / 1e6
-    assert f"this process: {updates} updates, {syncs} syncs, {sent:.3g} MB sent" in result.stdout, result.stdout[-500:]
+    assert f"this process: {updates} updates, {syncs} syncs, {sent:.3f} MB sent" in result.stdout, result.stdout[-500:]
     # TensorBoard, as RETURNN writes it beside the model: train-<time>/ and dev-<epoch>-<time>/.
     assert tensorboard_tags(tmp_path, "train-*") == {"loss_output", "error_output", "learning_rate", "sync_seconds"}
     assert tensorboard_tags(tmp_path, "dev-3-*") == {"loss_output", "error_output"}
