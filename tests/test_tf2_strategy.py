@@ -483,7 +483,7 @@ def test_two_workers_train_local_copies_and_combine_them_every_n_updates(tmp_pat
         else:
             numpy.testing.assert_allclose(kernels[0][step], kernels[1][step], rtol=1e-6)
     # int8: 5 values in one block of 16 words and a scale, 68 bytes a sync
-    assert all('stats {"updates": 6, "syncs": 2, "bytes": 136}' in output for output in outputs)
+    assert all('stats {"updates": 6, "syncs": 2, "local_syncs": 0, "bytes": 136}' in output for output in outputs)
 
 
 def _start_worker(folder, cluster: dict, index: int):
