@@ -17,7 +17,7 @@
 Each ``--units`` value (the networks' width) is measured in turn.
 
     python benchmarks/xla.py [--rounds 5] [--steps 20] [--epoch-seqs 2000] [--epochs 3] [--units 256 ...]
-                             [--shapes 16x32 16x64 8x128]
+                             [--shapes 16x32 16x64 8x128] [--end-to-end standardlstm self_attention]
 """
 
 from __future__ import annotations
@@ -178,10 +178,13 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=[f"{seqs}x{frames}" for seqs, frames in SHAPES],
                         help="SEQSxFRAMES batch shapes of the step-time table")
     parser.add_argument("--units", type=int, nargs="+", default=[256], help="network widths, each measured in turn")
+    parser.add_argument("--end-to-end", nargs="+", default=["standardlstm", "self_attention"], metavar="NETWORK",
+                        help="the networks of the end-to-end runs")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: only that the script runs (tests/test_benchmarks.py)")
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.steps, args.epoch_seqs, args.epochs, args.shapes, args.units = 1, 1, 40, 1, ["4x16"], [16]
+        args.end_to_end = ["standardlstm"]  # the other network's runs take the same code path
     args.shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     setup_returnn()
     for units in args.units:
@@ -199,7 +202,7 @@ def measure(nets: dict, units: int, args, work: str):
             print(f"{name:16s} {f'{seqs}x{frames}':>8s} {plain * 1000:9.2f} {jitted * 1000:8.2f} "
                   f"{jitted / plain:10.3f} {compile_seconds:10.2f}", flush=True)
         print(f"{name:16s} XLA compilations per shape: {per_shape:.1f}")
-    for name in ("standardlstm", "self_attention") if args.epochs else ():
+    for name in args.end_to_end if args.epochs else ():
         plain = cli_epochs(nets[name], False, args.epoch_seqs, args.epochs, os.path.join(work, f"{name}-plain"))
         first_run = os.path.join(work, f"{name}-xla")
         jitted = cli_epochs(nets[name], True, args.epoch_seqs, args.epochs, first_run)

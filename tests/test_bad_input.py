@@ -96,9 +96,12 @@ ROWS = [
     ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
                                        "task": {"type": "ps", "index": 0}})}, "TF_CONFIG task type must be"),
     ("", [], {"TF_CONFIG": "{not json"}, "TF_CONFIG is not valid JSON"),
+    # A worker of returnn-tpu's launcher (RETURNN_TPU_LAUNCHED_WORKER): it does not wait the 30 s a
+    # worker started by hand waits for a peer to tell of the refusal (test_multi_worker.py tests that).
     ("", [], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                                        "task": {"type": "worker", "index": 1}}),
-              "NUM_REPLICAS_LINE": "1"}, "num_replicas'] must be 1 (or left out) with several CPU workers"),
+              "RETURNN_TPU_LAUNCHED_WORKER": "1", "NUM_REPLICAS_LINE": "1"},
+     "num_replicas'] must be 1 (or left out) with several CPU workers"),
     # Paths that os.access calls writable for root, and others that only trying shows.
     ('model = "/proc/no/such/model"', [], {}, "model: cannot write to '/proc/no/such' (creating a file in '/proc'"),
     ('log = "/proc/no/train.log"', [], {}, "log: cannot write to '/proc/no'"),

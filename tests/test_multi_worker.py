@@ -236,15 +236,17 @@ def test_sigterm_to_mpirun_during_steps_longer_than_its_grace_finds_the_last_syn
     finds it written), so it is on disk; the same command continues the epoch after that sync."""
     import signal
 
+    # Seconds of work in each step of the interrupted run; the resumed run (no SLOW_STEPS) skips them.
     slow = "tf.reduce_mean(tf.linalg.matmul(tf.random.normal([5500, 5500]), tf.random.normal([5500, 5500])))"
-    network = {"slow": {"class": "eval", "from": "data", "eval": f"source(0) + 0.0 * {slow}"},  # seconds of work
+    slow = f"({slow} if __import__('os').environ.get('SLOW_STEPS') else 0.0)"
+    network = {"slow": {"class": "eval", "from": "data", "eval": f"source(0) + 0.0 * {slow}"},
                "fw0": {"class": "rec", "unit": "standardlstm", "n_out": 8, "from": "slow"},
                "output": {"class": "softmax", "loss": "ce", "from": "fw0"}}
     (tmp_path / "train.config").write_text(config_12ax(
         WORKER_INDEX, train={"class": "Task12AXDataset", "num_seqs": 25}, network=network, num_epochs=1,
         optimizer={"class": "sgd"},
         distribute_options={"param_sync_step": 2, "cluster_resolver": "mpi", "startup_timeout": 120}))
-    job, command, env = _mpirun_at_step(tmp_path, 0)
+    job, command, env = _mpirun_at_step(tmp_path, 0, SLOW_STEPS="1")
     step_lines = []
     for line in job.stdout:  # a sync after update 2; the signal comes 0.2 s into step 4
         if line.startswith("[1,0]<stdout>:train epoch 1, step "):
@@ -681,15 +683,16 @@ def test_max_restarts_backs_off_and_gives_up_on_bad_input(tmp_path):
     assert result.returncode == 2 and "restarting" not in result.stderr, result.stderr[-3000:]
 
 
-def _mpirun_at_step(tmp_path, step: int):
-    """``mpirun -np 2 returnn-tpu train.config`` in ``tmp_path``, once rank 0 has logged ``step``:
-    the job, its command (to run again) and environment."""
+def _mpirun_at_step(tmp_path, step: int, **job_env):
+    """``mpirun -np 2 returnn-tpu train.config`` in ``tmp_path`` (with ``job_env`` added to its
+    environment), once rank 0 has logged ``step``: the job, its command (to run again) and the
+    environment without ``job_env``."""
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = ["mpirun", "--oversubscribe", "--tag-output", "-np", "2", sys.executable, "-m", "returnn_tpu.cli",
                "train.config"]
-    job = subprocess.Popen(command + ["++log_verbosity", "5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(command + ["++log_verbosity", "5"], cwd=tmp_path, env=dict(env, **job_env),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     for line in job.stdout:
         if line.startswith(f"[1,0]<stdout>:train epoch 1, step {step},"):
